@@ -1,0 +1,1 @@
+"""ddtree_jax: DDTree speculative decoding in JAX/Pallas."""

@@ -1,0 +1,465 @@
+"""Target-model configuration: the DeepSeek-V3 / Kimi-K2 architecture.
+
+`TargetConfig` holds every field of the HF `DeepseekV3Config` that changes the
+math. Presets are module constants (`TINY`, `SMALL`, `KIMI_K2`, `DEEPSEEK_V3`);
+variants are made with `dataclasses.replace`, which re-runs validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot run, with the offending field named."""
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig:
+    """YaRN RoPE scaling, as HF's `rope_scaling` / `rope_parameters` with type "yarn"."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = 1.0
+    mscale_all_dim: float | None = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ConfigError(f"yarn factor must be > 0, got {self.factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ConfigError(
+                f"yarn original_max_position_embeddings must be >= 1, got {self.original_max_position_embeddings}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Shapes and hyper-parameters of a DeepSeek-V3-architecture target model.
+
+    Field names follow HF `DeepseekV3Config`. `q_lora_rank=None` means a plain
+    `q_proj`; `rope_scaling=None` means plain RoPE.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 1
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: YarnConfig | None = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ConfigError(f"q_lora_rank must be None or >= 1, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            raise ConfigError(
+                f"first_k_dense_replace={self.first_k_dense_replace} must lie in "
+                f"[0, num_hidden_layers={self.num_hidden_layers}]"
+            )
+        if self.num_moe_layers:
+            self._validate_moe()
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _validate_moe(self):
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        if e < 1 or self.moe_intermediate_size < 1:
+            raise ConfigError(
+                f"MoE layers need n_routed_experts >= 1 and moe_intermediate_size >= 1, got {e} and "
+                f"{self.moe_intermediate_size}"
+            )
+        if not 1 <= k <= e:
+            raise ConfigError(f"num_experts_per_tok={k} must lie in [1, n_routed_experts={e}]")
+        if self.n_group < 1 or e % self.n_group:
+            raise ConfigError(f"n_routed_experts={e} must be divisible by n_group={self.n_group}")
+        if e // self.n_group < 2:
+            raise ConfigError(
+                f"each router group needs >= 2 experts (group score = sum of its top 2), got "
+                f"n_routed_experts={e}, n_group={self.n_group}"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"topk_group={self.topk_group} must lie in [1, n_group={self.n_group}]")
+        if k > self.topk_group * (e // self.n_group):
+            raise ConfigError(
+                f"num_experts_per_tok={k} exceeds the experts left after group selection "
+                f"(topk_group={self.topk_group} x {e // self.n_group})"
+            )
+        if self.n_shared_experts < 0:
+            raise ConfigError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+
+    # Derived sizes -----------------------------------------------------------------
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Numbers cached per token per layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The model's attention scale, including YaRN's mscale^2 (as HF applies it)."""
+        scale = self.qk_head_dim**-0.5
+        ys = self.rope_scaling
+        if ys is not None and ys.mscale_all_dim:
+            m = yarn_get_mscale(ys.factor, ys.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def num_params(self) -> int:
+        """Parameter count (router bias included), from shapes alone."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if self.q_lora_rank is None:
+            q = h * n * self.qk_head_dim
+        else:
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim
+        attn = (
+            q
+            + h * self.latent_dim
+            + self.kv_lora_rank
+            + self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+            + n * self.v_head_dim * h
+        )
+        dense = 3 * h * self.intermediate_size
+        moe = (
+            h * self.n_routed_experts
+            + self.n_routed_experts
+            + 3 * h * self.moe_intermediate_size * (self.n_routed_experts + self.n_shared_experts)
+        )
+        per_layer_norms = 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return (
+            embed
+            + h
+            + self.num_hidden_layers * (attn + per_layer_norms)
+            + self.num_dense_layers * dense
+            + self.num_moe_layers * moe
+        )
+
+    # HF interop ----------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> TargetConfig:
+        """Builds a config from an HF `config.json` dict (DeepSeek-V3 / Kimi-K2 layout).
+
+        Accepts the classic `rope_theta` + `rope_scaling` keys and transformers 5's
+        `rope_parameters`. A Kimi-K2.5-style wrapper with `text_config` is unwrapped.
+
+        Raises:
+            ConfigError: on a missing key or a feature the engine does not support.
+        """
+        if "text_config" in hf and "hidden_size" not in hf:
+            hf = hf["text_config"]
+        model_type = hf.get("model_type", "deepseek_v3")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not supported (want one of {SUPPORTED_MODEL_TYPES})")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if hf.get("attention_bias", False):
+            raise ConfigError("attention_bias=True is not supported")
+        for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+            if key in hf and hf[key] != want:
+                raise ConfigError(f"{key} {hf[key]!r} is not supported (only {want!r})")
+        if hf.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(f"moe_layer_freq {hf['moe_layer_freq']!r} is not supported (only 1)")
+        nh = hf.get("num_attention_heads")
+        nkv = hf.get("num_key_value_heads")
+        if nkv is not None and nkv != nh:
+            raise ConfigError(f"num_key_value_heads={nkv} != num_attention_heads={nh} is not supported by MLA")
+
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope.update(scaling)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        yarn = None
+        if rope_type == "yarn":
+            orig = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+            factor = rope.get("factor")
+            if factor is None:
+                factor = hf["max_position_embeddings"] / orig
+            yarn = YarnConfig(
+                factor=float(factor),
+                original_max_position_embeddings=int(orig),
+                beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0),
+                mscale=rope.get("mscale"),
+                mscale_all_dim=rope.get("mscale_all_dim"),
+                attention_factor=rope.get("attention_factor"),
+                truncate=bool(rope.get("truncate", True)),
+            )
+        elif rope_type != "default":
+            raise ConfigError(f"rope type {rope_type!r} is not supported (only default and yarn)")
+
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        )
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ConfigError(f"config.json lacks required keys: {missing}")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+
+        def get(name, fallback=None):
+            value = hf.get(name)
+            if value is None:
+                value = defaults.get(name, fallback)
+            return value
+
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=nh,
+            intermediate_size=hf["intermediate_size"],
+            moe_intermediate_size=get("moe_intermediate_size", 0),
+            n_routed_experts=get("n_routed_experts", 0),
+            num_experts_per_tok=get("num_experts_per_tok", 0),
+            n_shared_experts=get("n_shared_experts"),
+            n_group=get("n_group"),
+            topk_group=get("topk_group"),
+            routed_scaling_factor=float(get("routed_scaling_factor")),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            first_k_dense_replace=get("first_k_dense_replace"),
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=get("kv_lora_rank"),
+            qk_nope_head_dim=get("qk_nope_head_dim"),
+            qk_rope_head_dim=get("qk_rope_head_dim"),
+            v_head_dim=get("v_head_dim"),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            rope_theta=rope_theta,
+            rope_scaling=yarn,
+            rope_interleave=bool(get("rope_interleave")),
+            max_position_embeddings=get("max_position_embeddings"),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF `config.json` dict (classic `rope_theta` / `rope_scaling` keys)."""
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "num_key_value_heads": self.num_attention_heads,
+        }
+        for f in dataclasses.fields(self):
+            if f.name != "rope_scaling":
+                out[f.name] = getattr(self, f.name)
+        if self.rope_scaling is not None:
+            ys = dataclasses.asdict(self.rope_scaling)
+            out["rope_scaling"] = {
+                "type": "yarn",
+                "rope_type": "yarn",
+                **{k: v for k, v in ys.items() if v is not None},
+            }
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> TargetConfig:
+        """Reads an HF `config.json` file (see `from_hf_config`)."""
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_config(hf)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+TINY = TargetConfig(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    max_position_embeddings=512,
+)
+"""A few-hundred-K-parameter model for unit tests."""
+
+SMALL = TargetConfig(
+    vocab_size=8192,
+    hidden_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    intermediate_size=768,
+    moe_intermediate_size=128,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+"""The model we train and ship: ~10M parameters so that target + drafter fit 25 MB in bf16."""
+
+DEEPSEEK_V3 = TargetConfig(
+    vocab_size=129280,
+    hidden_size=7168,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=3,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_theta=10000.0,
+    rope_scaling=YarnConfig(
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    max_position_embeddings=163840,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+"""DeepSeek-V3 (671B) shapes, for abstract-shape work."""
+
+KIMI_K2 = TargetConfig(
+    vocab_size=163840,
+    hidden_size=7168,
+    num_hidden_layers=61,
+    num_attention_heads=64,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    n_routed_experts=384,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.827,
+    first_k_dense_replace=1,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_theta=50000.0,
+    rope_scaling=YarnConfig(
+        factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+    ),
+    max_position_embeddings=131072,
+    bos_token_id=163584,
+    eos_token_id=163585,
+)
+"""Kimi-K2-Instruct (1.03T) shapes, for abstract-shape work."""
+
+PRESETS = {"tiny": TINY, "small": SMALL, "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}

@@ -1,0 +1,90 @@
+"""Small numerical building blocks shared by the target and the drafter.
+
+Notation: B batch, T tokens, P rope dim (even), F = P // 2 rotary frequencies.
+Norms, RoPE tables and softmax run in float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.config import TargetConfig, YarnConfig, yarn_get_mscale
+
+LATENT_NORM_EPS = 1e-6
+"""HF builds q_a_layernorm and kv_a_layernorm with the default eps, not config.rms_norm_eps."""
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype before the weight (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w with float32 accumulation, result in x's dtype. w: [in, ...out]."""
+    out = jnp.tensordot(x, w, axes=1, preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """down(silu(x @ gate) * (x @ up)). gate, up: [H, I]; down: [I, H]."""
+    return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def rope_inv_freq(dim: int, theta: float, yarn: YarnConfig | None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dim // 2] and the cos/sin attention factor (HF's formula, float32)."""
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
+    if yarn is None:
+        return inv_freq, 1.0
+    factor = yarn.factor
+    attention_factor = yarn.attention_factor
+    if attention_factor is None:
+        if yarn.mscale and yarn.mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, yarn.mscale) / yarn_get_mscale(factor, yarn.mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        orig = yarn.original_max_position_embeddings
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = 1.0 - ramp
+    interpolation = (1.0 / (factor * pos_freqs)).astype(np.float32)
+    inv_freq = interpolation * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_tables(cfg: TargetConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [B, T, F] float32 for integer positions [B, T] (attention factor folded in)."""
+    inv_freq, attn_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(freqs) * attn_factor, jnp.sin(freqs) * attn_factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, ..., P]; cos, sin: [B, T, F]. Returns x's dtype.
+
+    Checkpoints with `rope_interleave` have their rope weight columns permuted at
+    load time (evens first, then odds), which turns HF's interleaved rotation into
+    this one exactly; the forward pass therefore has a single RoPE layout.
+    """
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,399 @@
+"""The DeepSeek-V3 / Kimi-K2 target model as pure functions over a params pytree.
+
+Notation:
+  B batch, T new tokens in this forward, S cache capacity, V vocab, H hidden,
+  N heads, D qk_nope_head_dim, P qk_rope_head_dim, Dv v_head_dim,
+  R kv_lora_rank, Q q_lora_rank, I (expert) intermediate size, E routed experts,
+  K experts per token, L layers (Ld dense + Lm MoE).
+
+Weights are stored [in, out] (x @ w). Layers of one kind are stacked on a
+leading axis and run with `lax.scan`: one compiled layer body per kind, whatever
+the depth. Attention is absorbed MLA against a latent cache (`cache.KVCache`);
+kv_b_proj is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ddtree_jax.cache import KVCache, LatentKV
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, linear, rms_norm, rope_tables, swiglu
+from ddtree_jax.pallas.mla_attention import mla_attention
+from ddtree_jax.pallas.moe import moe_experts
+
+
+@struct.dataclass
+class AttentionParams:
+    """MLA weights of one layer (a leading layer axis when stacked)."""
+
+    kv_a: jax.Array  # [H, R + P]
+    kv_a_norm: jax.Array  # [R]
+    w_uk: jax.Array  # [N, D, R]
+    w_uv: jax.Array  # [N, Dv, R]
+    o: jax.Array  # [N, Dv, H]
+    q: jax.Array | None = None  # [H, N, D + P] when q_lora_rank is None
+    q_a: jax.Array | None = None  # [H, Q]
+    q_a_norm: jax.Array | None = None  # [Q]
+    q_b: jax.Array | None = None  # [Q, N, D + P]
+
+
+@struct.dataclass
+class MLPParams:
+    """SwiGLU weights: gate, up [H, I]; down [I, H]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+@struct.dataclass
+class MoEParams:
+    """Sigmoid-routed experts plus shared experts."""
+
+    router: jax.Array  # [H, E] float32
+    router_bias: jax.Array  # [E] float32, e_score_correction_bias (selection only)
+    gate: jax.Array  # [E, H, I]
+    up: jax.Array  # [E, H, I]
+    down: jax.Array  # [E, I, H]
+    shared: MLPParams | None  # I_shared = n_shared_experts * I
+
+
+@struct.dataclass
+class LayerParams:
+    """One decoder layer (stacked: every leaf gains a leading layer axis)."""
+
+    attn_norm: jax.Array  # [H]
+    attn: AttentionParams
+    mlp_norm: jax.Array  # [H]
+    mlp: MLPParams | MoEParams
+
+
+@struct.dataclass
+class TargetParams:
+    """All target weights plus the (static) config."""
+
+    config: TargetConfig = struct.field(pytree_node=False)
+    embed: jax.Array  # [V, H]
+    dense_layers: LayerParams | None  # leaves [Ld, ...]
+    moe_layers: LayerParams | None  # leaves [Lm, ...]
+    final_norm: jax.Array  # [H]
+    lm_head: jax.Array | None  # [H, V]; None when tied to embed
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+    @property
+    def unembed(self) -> jax.Array:
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+
+@struct.dataclass
+class ForwardOutput:
+    """What one target forward returns."""
+
+    hidden: jax.Array  # [B, T, H] after the final norm
+    kv: LatentKV  # new tokens' latent entries, [L, B, T, *]
+    taps: jax.Array | None  # [len(tap_layers), B, T, H] outputs of the tapped layers
+
+
+# ----------------------------------------------------------------------------------
+# Initialisation
+
+
+def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> TargetParams:
+    """Random weights: normal(0, std) matrices, unit norms, a small random router bias."""
+    keys = iter(jax.random.split(key, 64))
+
+    def normal(*shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    h, n, r, p = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+
+    def attn(nl):
+        common = dict(
+            kv_a=normal(nl, h, r + p),
+            kv_a_norm=jnp.ones((nl, r), dtype),
+            w_uk=normal(nl, n, d, r),
+            w_uv=normal(nl, n, dv, r),
+            o=normal(nl, n, dv, h),
+        )
+        if cfg.q_lora_rank is None:
+            return AttentionParams(q=normal(nl, h, n, d + p), **common)
+        q = cfg.q_lora_rank
+        return AttentionParams(
+            q_a=normal(nl, h, q), q_a_norm=jnp.ones((nl, q), dtype), q_b=normal(nl, q, n, d + p), **common
+        )
+
+    def mlp(nl, inter):
+        return MLPParams(gate=normal(nl, h, inter), up=normal(nl, h, inter), down=normal(nl, inter, h))
+
+    def layers(nl, ffn):
+        return LayerParams(
+            attn_norm=jnp.ones((nl, h), dtype), attn=attn(nl), mlp_norm=jnp.ones((nl, h), dtype), mlp=ffn
+        )
+
+    dense = (
+        layers(cfg.num_dense_layers, mlp(cfg.num_dense_layers, cfg.intermediate_size)) if cfg.num_dense_layers else None
+    )
+    moe = None
+    if cfg.num_moe_layers:
+        nl, e, i = cfg.num_moe_layers, cfg.n_routed_experts, cfg.moe_intermediate_size
+        ffn = MoEParams(
+            router=normal(nl, h, e).astype(jnp.float32),
+            router_bias=(0.1 * jax.random.uniform(next(keys), (nl, e), jnp.float32)),
+            gate=normal(nl, e, h, i),
+            up=normal(nl, e, h, i),
+            down=normal(nl, e, i, h),
+            shared=mlp(nl, i * cfg.n_shared_experts) if cfg.n_shared_experts else None,
+        )
+        moe = layers(nl, ffn)
+    return TargetParams(
+        config=cfg,
+        embed=normal(cfg.vocab_size, h),
+        dense_layers=dense,
+        moe_layers=moe,
+        final_norm=jnp.ones((h,), dtype),
+        lm_head=None if cfg.tie_word_embeddings else normal(h, cfg.vocab_size),
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Layers
+
+
+def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """noaux_tc sigmoid routing. x [T, H] -> (idx [T, K] int32, weights [T, K] float32).
+
+    The correction bias only chooses experts (groups and top-k); the weights are
+    the unbiased sigmoid scores, renormalised if norm_topk_prob, times
+    routed_scaling_factor.
+    """
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router, precision="highest"))  # [T, E]
+    choice = scores + bias
+    t, e = choice.shape
+    if cfg.topk_group < cfg.n_group:
+        grouped = choice.reshape(t, cfg.n_group, e // cfg.n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, group_idx = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jnp.any(jax.nn.one_hot(group_idx, cfg.n_group, dtype=jnp.bool_), axis=1)  # [T, G]
+        keep = jnp.repeat(keep, e // cfg.n_group, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) -> jax.Array:
+    """Routed experts + shared experts. x [B, T, H] -> [B, T, H]."""
+    with jax.named_scope("moe"):
+        b, t, h = x.shape
+        flat = x.reshape(b * t, h)
+        idx, w = route(cfg, flat, p.router, p.router_bias)
+        y = moe_experts(flat, idx, w, p.gate, p.up, p.down, implementation=implementation)
+        if p.shared is not None:
+            y = y + swiglu(flat, p.shared.gate, p.shared.up, p.shared.down)
+        return y.reshape(b, t, h)
+
+
+def mla(
+    cfg: TargetConfig,
+    p: AttentionParams,
+    x: jax.Array,  # [B, T, H]
+    cos: jax.Array,  # [B, T, P/2]
+    sin: jax.Array,
+    cache_ckv: jax.Array,  # [B, S, R]
+    cache_kpe: jax.Array,  # [B, S, P]
+    cache_len: jax.Array,  # [B]
+    new_mask: jax.Array,  # [B, T, T]
+    implementation: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Absorbed MLA. Returns (out [B, T, H], c_kv [B, T, R], k_pe [B, T, P]) of the new tokens."""
+    d, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = linear(x, p.q)
+    else:
+        q = linear(rms_norm(linear(x, p.q_a), p.q_a_norm, LATENT_NORM_EPS), p.q_b)  # [B, T, N, D + P]
+    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos, sin)
+    kv = linear(x, p.kv_a)  # [B, T, R + P]
+    # Rounded to the cache dtype so that a token attends to itself exactly as it
+    # will later attend to its committed cache entry.
+    c_kv = rms_norm(kv[..., :r], p.kv_a_norm, LATENT_NORM_EPS).astype(cache_ckv.dtype)
+    k_pe = apply_rope(kv[..., r:], cos, sin).astype(cache_kpe.dtype)
+    q_lat = jnp.einsum("btnd,ndr->btnr", q_nope, p.w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+    o_lat = mla_attention(
+        q_lat,
+        q_pe,
+        cache_ckv,
+        cache_kpe,
+        cache_len,
+        c_kv,
+        k_pe,
+        new_mask,
+        scale=cfg.softmax_scale,
+        implementation=implementation,
+    ).astype(x.dtype)
+    o = jnp.einsum("btnr,nvr->btnv", o_lat, p.w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
+    out = jnp.einsum("btnv,nvh->bth", o, p.o, preferred_element_type=jnp.float32).astype(x.dtype)
+    return out, c_kv, k_pe
+
+
+def _run_layers(
+    cfg: TargetConfig,
+    layers: LayerParams,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    cache_ckv: jax.Array,  # [Lk, B, S, R] (this kind's slice)
+    cache_kpe: jax.Array,
+    cache_len: jax.Array,
+    new_mask: jax.Array,
+    keep_hidden: bool,
+    implementation: str,
+):
+    """Scans one stack of same-kind layers. Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None)."""
+    is_moe = isinstance(layers.mlp, MoEParams)
+
+    def body(x, xs):
+        lp, ckv, kpe = xs
+        attn_out, c_new, k_new = mla(
+            cfg,
+            lp.attn,
+            rms_norm(x, lp.attn_norm, cfg.rms_norm_eps),
+            cos,
+            sin,
+            ckv,
+            kpe,
+            cache_len,
+            new_mask,
+            implementation,
+        )
+        x = x + attn_out
+        hx = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        if is_moe:
+            x = x + moe_ffn(cfg, lp.mlp, hx, implementation)
+        else:
+            x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
+        return x, (c_new, k_new, x if keep_hidden else None)
+
+    x, (c_kv, k_pe, hidden) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe))
+    return x, c_kv, k_pe, hidden
+
+
+# ----------------------------------------------------------------------------------
+# Forward
+
+
+def forward(
+    params: TargetParams,
+    tokens: jax.Array,  # [B, T] int32
+    positions: jax.Array,  # [B, T] int32
+    cache: KVCache,
+    new_mask: jax.Array,  # [B, T, T] bool
+    *,
+    tap_layers: Sequence[int] = (),
+    implementation: str = "xla",
+) -> ForwardOutput:
+    """Runs T new tokens per sequence against a committed latent cache.
+
+    Every committed cache entry (slot < cache.lengths[b]) is visible to every new
+    token; among the new tokens, t sees u iff new_mask[b, t, u]. Prefill passes a
+    causal mask, tree verification the ancestor-or-self matrix. The cache is read,
+    never written: commit the returned `kv` with `KVCache.write`.
+
+    Args:
+      params: target weights.
+      tokens: token ids.
+      positions: absolute position of each token (RoPE angle, not a slot).
+      cache: the committed latent cache.
+      new_mask: visibility among the new tokens.
+      tap_layers: layer indices whose outputs to return (for the drafter).
+      implementation: "xla" or "pallas" for the attention / MoE kernels.
+
+    Returns:
+      ForwardOutput with the final-normed hidden states; apply `logits` to the
+      rows you need.
+    """
+    cfg = params.config
+    b, t = tokens.shape
+    chex.assert_shape(positions, (b, t))
+    chex.assert_shape(new_mask, (b, t, t))
+    chex.assert_type(tokens, jnp.int32)
+    if cache.batch != b:
+        raise ValueError(f"cache batch {cache.batch} != tokens batch {b}")
+    for layer in tap_layers:
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise ValueError(f"tap layer {layer} outside [0, {cfg.num_hidden_layers})")
+    keep_hidden = bool(tap_layers)
+    x = params.embed[tokens]
+    cos, sin = rope_tables(cfg, positions)
+    ld = cfg.num_dense_layers
+    c_parts, k_parts, h_parts = [], [], []
+    for layers, sl in ((params.dense_layers, slice(0, ld)), (params.moe_layers, slice(ld, None))):
+        if layers is None:
+            continue
+        x, c_kv, k_pe, hidden = _run_layers(
+            cfg,
+            layers,
+            x,
+            cos,
+            sin,
+            cache.c_kv[sl],
+            cache.k_pe[sl],
+            cache.lengths,
+            new_mask,
+            keep_hidden,
+            implementation,
+        )
+        c_parts.append(c_kv)
+        k_parts.append(k_pe)
+        h_parts.append(hidden)
+    kv = LatentKV(c_kv=jnp.concatenate(c_parts), k_pe=jnp.concatenate(k_parts))
+    taps = None
+    if keep_hidden:
+        taps = jnp.concatenate(h_parts)[jnp.asarray(tap_layers)]
+    return ForwardOutput(hidden=rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv=kv, taps=taps)
+
+
+def logits(params: TargetParams, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from final-normed hidden states [..., H]."""
+    return jnp.dot(hidden, params.unembed, preferred_element_type=jnp.float32)
+
+
+def causal_mask(lengths: jax.Array, t: int) -> jax.Array:
+    """[B, T, T] causal visibility over T new tokens, keys at index >= lengths[b] hidden."""
+    idx = jnp.arange(t)
+    causal = idx[None, :] <= idx[:, None]
+    return causal[None] & (idx[None, None, :] < lengths[:, None, None])
+
+
+def prefill(
+    params: TargetParams,
+    cache: KVCache,
+    tokens: jax.Array,  # [B, T] right-padded
+    lengths: jax.Array,  # [B] valid tokens per row
+    *,
+    implementation: str = "xla",
+) -> tuple[jax.Array, KVCache]:
+    """Appends `tokens[b, :lengths[b]]` after each sequence's committed cache.
+
+    Returns (logits [B, V] float32 at each row's last valid token, updated cache).
+    Rows with lengths[b] == 0 are left unchanged (their logits are meaningless).
+    """
+    b, t = tokens.shape
+    idx = jnp.arange(t)[None, :]
+    positions = cache.lengths[:, None] + idx
+    out = forward(params, tokens, positions, cache, causal_mask(lengths, t), implementation=implementation)
+    slots = jnp.where(idx < lengths[:, None], positions, cache.capacity)
+    cache = cache.write(out.kv, slots).replace(lengths=cache.lengths + lengths)
+    last = out.hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    return logits(params, last), cache

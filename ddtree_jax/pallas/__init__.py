@@ -1,0 +1,17 @@
+"""Kernels, each beside its pure-jnp reference (tokamax style).
+
+`ddtree_jax/pallas/<op>/` holds `reference.py` (float32 math, also the XLA
+fallback) and `api.py` (one dispatch function with `implementation=`).
+"""
+
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def check_implementation(implementation: str, available: tuple[str, ...], op: str) -> None:
+    """Raises a clear error for an unknown or not-yet-available implementation."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation not in available:
+        raise NotImplementedError(
+            f"{op}: implementation={implementation!r} is not available yet (have {available}); use implementation='xla'"
+        )

@@ -1,0 +1,56 @@
+"""Dispatch for absorbed-MLA attention (see reference.py for the notation)."""
+
+from __future__ import annotations
+
+import chex
+import jax
+
+from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
+
+AVAILABLE = ("xla",)
+
+
+def mla_attention(
+    q_lat: jax.Array,  # [B, T, N, R]
+    q_pe: jax.Array,  # [B, T, N, P]
+    cache_ckv: jax.Array,  # [B, S, R]
+    cache_kpe: jax.Array,  # [B, S, P]
+    cache_len: jax.Array,  # [B]
+    new_ckv: jax.Array,  # [B, T, R]
+    new_kpe: jax.Array,  # [B, T, P]
+    new_mask: jax.Array,  # [B, T, T] bool
+    *,
+    scale: float,
+    implementation: str = "xla",
+) -> jax.Array:  # [B, T, N, R] float32
+    """Absorbed-MLA attention of T query tokens over a latent cache plus themselves.
+
+    Every cache entry s < cache_len[b] is visible to every query of sequence b;
+    among the new tokens, query t sees key u iff new_mask[b, t, u].
+
+    Args:
+      q_lat: queries already multiplied by W_UK (the "absorbed" nope part).
+      q_pe: RoPE'd rope part of the queries.
+      cache_ckv, cache_kpe: the committed latent cache of one layer.
+      cache_len: committed length per sequence.
+      new_ckv, new_kpe: latent entries of the new tokens.
+      new_mask: visibility among the new tokens (causal for prefill, the
+        ancestor-or-self matrix for a draft tree).
+      scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
+      implementation: "xla" (pure jnp) or "pallas".
+
+    Returns:
+      The attention-weighted latent values, float32.
+    """
+    check_implementation(implementation, AVAILABLE, "mla_attention")
+    b, t, n, r = q_lat.shape
+    s, p = cache_ckv.shape[1], q_pe.shape[-1]
+    chex.assert_shape(q_pe, (b, t, n, p))
+    chex.assert_shape(cache_ckv, (b, s, r))
+    chex.assert_shape(cache_kpe, (b, s, p))
+    chex.assert_shape(cache_len, (b,))
+    chex.assert_shape(new_ckv, (b, t, r))
+    chex.assert_shape(new_kpe, (b, t, p))
+    chex.assert_shape(new_mask, (b, t, t))
+    return mla_attention_reference(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, scale)

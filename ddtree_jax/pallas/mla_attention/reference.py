@@ -1,0 +1,49 @@
+"""Pure-jnp absorbed-MLA attention: the float32 reference and the XLA path.
+
+Notation: B batch, T new tokens (query rows), S cache capacity, N heads,
+R kv_lora_rank (latent width, also the value width), P rope dim.
+
+Attention is multi-query over one shared key stream [c_kv; k_pe] of width
+R + P and one value stream c_kv of width R. Keys are the S cache entries (entry s
+visible iff s < cache_len[b]) followed by the T new entries (visible per
+new_mask[b, t, u]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -1e30
+"""Finite, so that a row with no visible key gives uniform weights, never NaN."""
+
+
+def mla_attention_reference(
+    q_lat: jax.Array,  # [B, T, N, R]
+    q_pe: jax.Array,  # [B, T, N, P]
+    cache_ckv: jax.Array,  # [B, S, R]
+    cache_kpe: jax.Array,  # [B, S, P]
+    cache_len: jax.Array,  # [B] int32
+    new_ckv: jax.Array,  # [B, T, R]
+    new_kpe: jax.Array,  # [B, T, P]
+    new_mask: jax.Array,  # [B, T, T] bool
+    scale: float,
+) -> jax.Array:  # [B, T, N, R] float32
+    """softmax(scale * (q_lat . c_kv + q_pe . k_pe)) @ c_kv over cache + new keys."""
+    f32 = jnp.float32
+
+    def scores(ckv, kpe):
+        s = jnp.einsum("btnr,bsr->bnts", q_lat, ckv, preferred_element_type=f32)
+        s += jnp.einsum("btnp,bsp->bnts", q_pe, kpe, preferred_element_type=f32)
+        return s * scale
+
+    s_cache = scores(cache_ckv, cache_kpe)
+    s_new = scores(new_ckv, new_kpe)
+    cache_visible = jnp.arange(cache_ckv.shape[1])[None, :] < cache_len[:, None]  # [B, S]
+    s_cache = jnp.where(cache_visible[:, None, None, :], s_cache, MASK_VALUE)
+    s_new = jnp.where(new_mask[:, None, :, :], s_new, MASK_VALUE)
+    p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
+    p_cache, p_new = p[..., : cache_ckv.shape[1]], p[..., cache_ckv.shape[1] :]
+    out = jnp.einsum("bnts,bsr->btnr", p_cache, cache_ckv.astype(f32))
+    out += jnp.einsum("bntu,bur->btnr", p_new, new_ckv.astype(f32))
+    return out

@@ -1,0 +1,65 @@
+"""Token choice from logits: greedy, or temperature + top-k + top-p sampling.
+
+The filters follow HF's warpers in HF's order (temperature, then top-k, then
+top-p), so `generate` samples the distribution an HF user would expect. The
+same `filtered_logits` serves AR sampling and tree acceptance, which is what
+keeps speculative sampling lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. temperature == 0 means greedy (argmax).
+
+    Attributes:
+      temperature: softmax temperature, >= 0.
+      top_k: keep the k most likely tokens (0 = all).
+      top_p: keep the smallest set whose probability reaches top_p (1.0 = all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Float32 logits [..., V] after temperature, top-k and top-p (removed tokens = -inf)."""
+    x = logits.astype(jnp.float32) / cfg.temperature
+    if 0 < cfg.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if cfg.top_p < 1:
+        order = jnp.argsort(-x, axis=-1, stable=True)
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = mass_before < cfg.top_p  # always keeps the most likely token
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+        x = jnp.where(keep, x, -jnp.inf)
+    return x
+
+
+def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Next tokens [...] int32 from logits [..., V]: argmax if greedy, else a sample."""
+    if cfg.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered_logits(logits, cfg), axis=-1).astype(jnp.int32)

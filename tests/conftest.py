@@ -1,0 +1,55 @@
+"""Shared fixtures: small random targets and the HF reference runner."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from ddtree_jax import config, model
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def tiny(**overrides) -> config.TargetConfig:
+    """TINY with overrides, eos off (so greedy runs never stop early)."""
+    return dataclasses.replace(config.TINY, eos_token_id=None, bos_token_id=None, **overrides)
+
+
+def random_target(cfg: config.TargetConfig, seed: int = 0, std: float = 0.15) -> model.TargetParams:
+    """Random float32 weights large enough that attention and routing are far from uniform."""
+    return model.init_params(cfg, jax.random.PRNGKey(seed), std=std)
+
+
+def hf_python() -> str | None:
+    """The Python that has torch + transformers (Makefile's .venv-hf), or None."""
+    candidates = [os.environ.get("DDTREE_HF_PYTHON"), os.path.join(HERE, "..", ".venv-hf", "bin", "python")]
+    for c in candidates:
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def run_hf_reference(cases: list[dict], workdir: str) -> list[dict[str, np.ndarray]]:
+    """Runs tests/hf_reference.py once for all cases; returns one dict of arrays per case."""
+    py = hf_python()
+    if py is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs the HF reference environment: run `make venv-hf` (see Makefile)")
+        pytest.skip("HF reference environment missing: `make venv-hf` creates .venv-hf")
+    job = os.path.join(workdir, "job.json")
+    for i, case in enumerate(cases):
+        case["out"] = os.path.join(workdir, f"case{i}.npz")
+    with open(job, "w") as f:
+        json.dump({"cases": cases}, f)
+    proc = subprocess.run([py, os.path.join(HERE, "hf_reference.py"), job], capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-5000:])
+        pytest.fail(f"HF reference failed with exit code {proc.returncode}")
+    return [dict(np.load(c["out"])) for c in cases]
