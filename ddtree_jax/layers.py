@@ -31,6 +31,17 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with float32 accumulation; the result is float32.
+
+    XLA:CPU lacks some batched bf16 x bf16 -> f32 dots, so on the CPU the operands
+    are widened first: bf16 products are exact in f32, so the math is unchanged.
+    """
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(jnp.promote_types(b.dtype, jnp.float32))
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)). gate, up: [H, I]; down: [I, H]."""
     return linear(jax.nn.silu(linear(x, gate)) * linear(x, up), down)

@@ -23,7 +23,7 @@ from flax import struct
 
 from ddtree_jax.cache import KVCache, LatentKV
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, linear, rms_norm, rope_tables, swiglu
+from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, einsum, linear, rms_norm, rope_tables, swiglu
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
 
@@ -165,6 +165,16 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.float32, std: float
     )
 
 
+def cast_params(params: TargetParams, dtype) -> TargetParams:
+    """Casts every weight to dtype except the router and its bias (kept float32)."""
+    cast = jax.tree.map(lambda a: a.astype(dtype), params)
+    moe = params.moe_layers
+    if moe is None:
+        return cast
+    mlp = cast.moe_layers.mlp.replace(router=moe.mlp.router, router_bias=moe.mlp.router_bias)
+    return cast.replace(moe_layers=cast.moe_layers.replace(mlp=mlp))
+
+
 # ----------------------------------------------------------------------------------
 # Layers
 
@@ -229,7 +239,7 @@ def mla(
     # will later attend to its committed cache entry.
     c_kv = rms_norm(kv[..., :r], p.kv_a_norm, LATENT_NORM_EPS).astype(cache_ckv.dtype)
     k_pe = apply_rope(kv[..., r:], cos, sin).astype(cache_kpe.dtype)
-    q_lat = jnp.einsum("btnd,ndr->btnr", q_nope, p.w_uk, preferred_element_type=jnp.float32).astype(x.dtype)
+    q_lat = einsum("btnd,ndr->btnr", q_nope, p.w_uk).astype(x.dtype)
     o_lat = mla_attention(
         q_lat,
         q_pe,
@@ -242,8 +252,8 @@ def mla(
         scale=cfg.softmax_scale,
         implementation=implementation,
     ).astype(x.dtype)
-    o = jnp.einsum("btnr,nvr->btnv", o_lat, p.w_uv, preferred_element_type=jnp.float32).astype(x.dtype)
-    out = jnp.einsum("btnv,nvh->bth", o, p.o, preferred_element_type=jnp.float32).astype(x.dtype)
+    o = einsum("btnr,nvr->btnv", o_lat, p.w_uv).astype(x.dtype)
+    out = einsum("btnv,nvh->bth", o, p.o).astype(x.dtype)
     return out, c_kv, k_pe
 
 

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def tiny(**overrides) -> config.TargetConfig:
     """TINY with overrides, eos off (so greedy runs never stop early)."""
-    return dataclasses.replace(config.TINY, eos_token_id=None, bos_token_id=None, **overrides)
+    return dataclasses.replace(config.TINY, **{"eos_token_id": None, "bos_token_id": None, **overrides})
 
 
 def random_target(cfg: config.TargetConfig, seed: int = 0, std: float = 0.15) -> model.TargetParams:

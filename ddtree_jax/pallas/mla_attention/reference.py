@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.layers import einsum
+
 MASK_VALUE = -1e30
 """Finite, so that a row with no visible key gives uniform weights, never NaN."""
 
@@ -33,8 +35,8 @@ def mla_attention_reference(
     f32 = jnp.float32
 
     def scores(ckv, kpe):
-        s = jnp.einsum("btnr,bsr->bnts", q_lat, ckv, preferred_element_type=f32)
-        s += jnp.einsum("btnp,bsp->bnts", q_pe, kpe, preferred_element_type=f32)
+        s = einsum("btnr,bsr->bnts", q_lat, ckv)
+        s += einsum("btnp,bsp->bnts", q_pe, kpe)
         return s * scale
 
     s_cache = scores(cache_ckv, cache_kpe)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.layers import einsum
+
 GATHER_MAX_PAIRS_PER_EXPERT = 1
 """Use the weight gather when T * K <= this * E: it then streams no more weight than a dense pass."""
 
@@ -27,10 +29,10 @@ def _combine_weights(idx: jax.Array, w: jax.Array, num_experts: int) -> jax.Arra
 def moe_experts_reference(x, idx, w, gate, up, down):
     """x [T, H], idx [T, K] int, w [T, K] f32, gate/up [E, H, I], down [E, I, H] -> [T, H]."""
     f32 = jnp.float32
-    h_gate = jnp.einsum("th,ehi->eti", x, gate, preferred_element_type=f32).astype(x.dtype)
-    h_up = jnp.einsum("th,ehi->eti", x, up, preferred_element_type=f32).astype(x.dtype)
+    h_gate = einsum("th,ehi->eti", x, gate).astype(x.dtype)
+    h_up = einsum("th,ehi->eti", x, up).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
-    y = jnp.einsum("eti,eih->eth", act, down, preferred_element_type=f32).astype(x.dtype)
+    y = einsum("eti,eih->eth", act, down).astype(x.dtype)
     comb = _combine_weights(idx, w, gate.shape[0])
     return jnp.einsum("te,eth->th", comb, y.astype(f32)).astype(x.dtype)
 
@@ -38,10 +40,10 @@ def moe_experts_reference(x, idx, w, gate, up, down):
 def _moe_gather(x, idx, w, gate, up, down):
     f32 = jnp.float32
     g, u, d = gate[idx], up[idx], down[idx]  # [T, K, H, I], [T, K, I, H]
-    h_gate = jnp.einsum("th,tkhi->tki", x, g, preferred_element_type=f32).astype(x.dtype)
-    h_up = jnp.einsum("th,tkhi->tki", x, u, preferred_element_type=f32).astype(x.dtype)
+    h_gate = einsum("th,tkhi->tki", x, g).astype(x.dtype)
+    h_up = einsum("th,tkhi->tki", x, u).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
-    y = jnp.einsum("tki,tkih->tkh", act, d, preferred_element_type=f32).astype(x.dtype)
+    y = einsum("tki,tkih->tkh", act, d).astype(x.dtype)
     return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
 
 

@@ -1,0 +1,152 @@
+"""HF directory and orbax checkpoints: round trips and clear errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from ddtree_jax import checkpoint
+from ddtree_jax.config import ConfigError
+from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from tests.conftest import random_target, tiny
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_target(tiny(), seed=11)
+
+
+def same(a, b):
+    return jax.tree.all(jax.tree.map(lambda x, y: x.dtype == y.dtype and bool((x == y).all()), a, b))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("shard", [None, 50_000])
+def test_hf_round_trip(params, tmp_path, fused, shard):
+    checkpoint.save_hf(params, tmp_path, fused_experts=fused, max_shard_bytes=shard)
+    assert os.path.exists(tmp_path / checkpoint.INDEX_FILE) == (shard is not None)
+    assert same(checkpoint.load_target(tmp_path), params)
+
+
+def test_orbax_round_trip(params, tmp_path):
+    checkpoint.save_checkpoint(params, tmp_path / "ck")
+    assert same(checkpoint.restore_checkpoint(tmp_path / "ck"), params)
+
+
+def test_bf16_load_and_cast(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    loaded = checkpoint.load_target(tmp_path, dtype="bfloat16")
+    assert loaded.embed.dtype == np.dtype("bfloat16")
+    assert loaded.moe_layers.mlp.router.dtype == np.float32
+
+
+def test_our_safetensors_match_the_reference_package(tmp_path):
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, -2], np.int32)}
+    save_file(arrays, tmp_path / "x.safetensors")
+    back = safetensors.numpy.load_file(str(tmp_path / "x.safetensors"))
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(back[k], v)
+    safetensors.numpy.save_file(arrays, str(tmp_path / "y.safetensors"))
+    st = SafetensorsFile(tmp_path / "y.safetensors")
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(st.get(k), v)
+
+
+def rewrite(path, edit):
+    """Loads model.safetensors as a dict, lets `edit` change it, writes it back."""
+    st = SafetensorsFile(path / "model.safetensors")
+    tensors = {k: np.array(st.get(k)) for k in st.table}
+    del st
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_missing_weight_is_named(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    rewrite(tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing weight 'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight'"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_extra_weight_is_named(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    rewrite(tmp_path, lambda t: t.update({"model.layers.0.self_attn.bogus.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(CheckpointError, match="bogus"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_mtp_layer_is_ignored(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    n = params.config.num_hidden_layers
+    rewrite(tmp_path, lambda t: t.update({f"model.layers.{n}.eh_proj.weight": np.zeros((2, 2), np.float32)}))
+    assert same(checkpoint.load_target(tmp_path), params)
+
+
+def test_misshaped_weight_is_named(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    rewrite(tmp_path, lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight'.*shape \(7,\), expected \(64,\)"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_corrupt_file(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        checkpoint.load_target(tmp_path)
+    f.write_bytes(b"\x05")
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_missing_files(params, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.load_target(tmp_path / "nope")
+    checkpoint.save_hf(params, tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        checkpoint.load_target(tmp_path)
+    os.remove(tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        checkpoint.load_target(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no orbax checkpoint"):
+        checkpoint.restore_checkpoint(tmp_path)
+
+
+def test_index_naming_a_missing_shard(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path, max_shard_bytes=50_000)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1
+    os.remove(shards[1])
+    with pytest.raises(CheckpointError, match="missing from"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_unsupported_config(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_act"] = "gelu"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="gelu"):
+        checkpoint.load_target(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_int4_experts_rejected_clearly(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+
+    def to_packed(t):
+        for j in range(params.config.n_routed_experts):
+            for name in ("gate", "up", "down"):
+                t.pop(f"model.layers.1.mlp.experts.{j}.{name}_proj.weight")
+                t[f"model.layers.1.mlp.experts.{j}.{name}_proj.weight_packed"] = np.zeros((4, 4), np.int32)
+
+    rewrite(tmp_path, to_packed)
+    with pytest.raises(CheckpointError, match="INT4"):
+        checkpoint.load_target(tmp_path)

@@ -1,0 +1,141 @@
+import dataclasses
+import json
+
+import pytest
+
+from ddtree_jax import config
+from ddtree_jax.config import ConfigError, TargetConfig
+
+
+@pytest.mark.parametrize("preset", [config.TINY, config.SMALL, config.KIMI_K2, config.DEEPSEEK_V3])
+def test_hf_round_trip(preset):
+    hf = json.loads(json.dumps(preset.to_hf_config()))
+    assert TargetConfig.from_hf_config(hf) == preset
+
+
+def test_param_counts():
+    assert 1.02e12 < config.KIMI_K2.num_params() < 1.04e12
+    assert 6.70e11 < config.DEEPSEEK_V3.num_params() < 6.72e11
+    assert 5e6 < config.SMALL.num_params() < 1.3e7  # ships in <= 25 MB with the drafter
+
+
+@pytest.mark.parametrize(
+    ("preset", "scale"),
+    [(config.DEEPSEEK_V3, 0.135234), (config.KIMI_K2, 0.130861)],
+)
+def test_yarn_softmax_scale(preset, scale):
+    assert preset.softmax_scale == pytest.approx(scale, abs=2e-6)
+
+
+def test_softmax_scale_without_yarn():
+    assert config.SMALL.softmax_scale == pytest.approx(48**-0.5)
+
+
+def test_real_deepseek_style_config_json():
+    hf = {
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1,
+    }
+    assert TargetConfig.from_hf_config(hf) == config.DEEPSEEK_V3
+
+
+def test_transformers5_rope_parameters():
+    hf = config.TINY.to_hf_config()
+    hf.pop("rope_theta")
+    hf["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 5000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
+    cfg = TargetConfig.from_hf_config(hf)
+    assert cfg.rope_theta == 5000.0
+    assert cfg.rope_scaling.factor == 4.0
+    assert cfg.rope_scaling.original_max_position_embeddings == 128
+
+
+def test_kimi_k25_text_config_unwrapped():
+    wrapped = {"model_type": "kimi_k25", "text_config": config.KIMI_K2.to_hf_config()}
+    assert TargetConfig.from_hf_config(wrapped) == config.KIMI_K2
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+        ({"n_group": 3}, "divisible by n_group=3"),
+        ({"topk_group": 3}, "topk_group=3"),
+        ({"first_k_dense_replace": 4}, "first_k_dense_replace=4"),
+        ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"eos_token_id": 256}, "eos_token_id=256"),
+        ({"n_group": 8, "topk_group": 1}, "needs >= 2 experts"),
+    ],
+)
+def test_validation(change, match):
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(config.TINY, **change)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"model_type": "llama"}, "model_type 'llama'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"topk_method": "greedy"}, "topk_method 'greedy'"),
+        ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads=1"),
+    ],
+)
+def test_unsupported_hf_configs(change, match):
+    hf = {**config.TINY.to_hf_config(), **change}
+    with pytest.raises(ConfigError, match=match):
+        TargetConfig.from_hf_config(hf)
+
+
+def test_missing_keys():
+    hf = config.TINY.to_hf_config()
+    del hf["hidden_size"]
+    with pytest.raises(ConfigError, match="hidden_size"):
+        TargetConfig.from_hf_config(hf)

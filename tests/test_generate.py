@@ -1,0 +1,165 @@
+"""generate(method="ar"): batching, stopping, sampling, and clear errors on bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import model
+from ddtree_jax.generate import generate
+from ddtree_jax.sampling import SamplingConfig, filtered_logits
+from tests.conftest import random_target, tiny
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_target(tiny(), seed=21)
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [250], [1, 2, 3, 4]]
+
+
+def test_mixed_lengths_batch_equals_each_alone(params):
+    batch = generate(params, PROMPTS, max_new_tokens=10).to_lists()
+    for prompt, row in zip(PROMPTS, batch, strict=True):
+        assert generate(params, [prompt], max_new_tokens=10).to_lists()[0] == row
+
+
+def test_padded_array_with_lengths_equals_lists(params):
+    padded = np.zeros((3, 7), np.int32)
+    for i, p in enumerate(PROMPTS):
+        padded[i, : len(p)] = p
+    a = generate(params, padded, prompt_lengths=[7, 1, 4], max_new_tokens=6).to_lists()
+    assert a == generate(params, PROMPTS, max_new_tokens=6).to_lists()
+
+
+def test_greedy_continues_argmax_of_full_forward(params):
+    """The AR loop's token t is the argmax of a fresh full forward over prompt + tokens[:t]."""
+    prompt = PROMPTS[0]
+    out = generate(params, [prompt], max_new_tokens=5).to_lists()[0]
+    seq = prompt + out
+    from tests.test_model import full_forward
+
+    logits, _ = full_forward(params, seq)
+    want = np.argmax(np.asarray(logits[len(prompt) - 1 : -1]), axis=-1).tolist()
+    assert out == want
+
+
+def test_stop_token_ends_row_and_is_included(params):
+    free = generate(params, PROMPTS, max_new_tokens=12)
+    rows = free.to_lists()
+    stop = rows[0][3]  # a token row 0 emits at step 3
+    res = generate(params, PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
+    for free_row, row, stopped in zip(rows, res.to_lists(), np.asarray(res.stopped), strict=True):
+        if stop in free_row:
+            cut = free_row.index(stop) + 1
+            assert row == free_row[:cut] and stopped
+        else:
+            assert row == free_row and not stopped
+    tokens = np.asarray(res.tokens)
+    for i, n in enumerate(np.asarray(res.lengths)):
+        assert (tokens[i, n:] == -1).all()
+
+
+def test_default_stop_is_config_eos(params):
+    free = generate(params, PROMPTS[:1], max_new_tokens=8).to_lists()[0]
+    eos = free[2]
+    p2 = params.replace(config=tiny(eos_token_id=eos))
+    assert generate(p2, PROMPTS[:1], max_new_tokens=8).to_lists()[0] == free[: free.index(eos) + 1]
+    assert generate(p2, PROMPTS[:1], max_new_tokens=8, stop_token_ids=()).to_lists()[0] == free
+
+
+@pytest.mark.parametrize("m", [1, 2, 7])
+def test_max_new_tokens_exact(params, m):
+    res = generate(params, PROMPTS, max_new_tokens=m, stop_token_ids=())
+    assert np.asarray(res.lengths).tolist() == [m] * 3
+    assert np.asarray(res.rounds).tolist() == [m - 1] * 3
+    assert res.tau == pytest.approx(1.0) or m == 1
+
+
+def test_sampling_reproducible_and_key_dependent(params):
+    kw = dict(max_new_tokens=16, temperature=1.0, stop_token_ids=())
+    a = generate(params, PROMPTS, key=jax.random.key(1), **kw).to_lists()
+    b = generate(params, PROMPTS, key=jax.random.key(1), **kw).to_lists()
+    c = generate(params, PROMPTS, key=jax.random.key(2), **kw).to_lists()
+    assert a == b and a != c
+
+
+def test_top_k_1_sampling_is_greedy(params):
+    greedy = generate(params, PROMPTS, max_new_tokens=8).to_lists()
+    sampled = generate(params, PROMPTS, max_new_tokens=8, temperature=0.7, top_k=1, key=jax.random.key(0))
+    assert sampled.to_lists() == greedy
+
+
+def test_first_token_distribution_matches_softmax():
+    """Chi-square test of 4000 first tokens against softmax(logits / T) after top-k/top-p.
+
+    Tiny vocab (16) so every cell is well populated. With 15 degrees of freedom the
+    threshold 37.7 is the 0.999 quantile: a correct sampler fails 1 run in 1000, and
+    the fixed key makes this run deterministic.
+    """
+    cfg = tiny(vocab_size=16)
+    params = random_target(cfg, seed=3, std=0.3)
+    prompt = [[1, 2, 3]]
+    n, temp = 4000, 1.3
+    batch = np.repeat(np.asarray(prompt, np.int32), n, axis=0)
+    res = generate(params, batch, max_new_tokens=1, temperature=temp, key=jax.random.key(7), stop_token_ids=())
+    counts = np.bincount(np.asarray(res.tokens)[:, 0], minlength=16)
+    from tests.test_model import full_forward
+
+    logits, _ = full_forward(params, prompt[0])
+    probs = np.asarray(jax.nn.softmax(logits[-1] / temp))
+    expected = n * probs
+    assert expected.min() > 5
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 37.7, (chi2, counts, expected)
+
+
+def test_top_k_top_p_filters():
+    logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    top_k = filtered_logits(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert np.isfinite(np.asarray(top_k)).tolist() == [[True, True, False, False, False]]
+    # Nucleus 0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is needed too; 0.1 is not.
+    top_p = filtered_logits(logits, SamplingConfig(temperature=1.0, top_p=0.8))
+    assert np.isfinite(np.asarray(top_p)).tolist() == [[True, True, True, False, False]]
+    shuffled = filtered_logits(logits[:, ::-1], SamplingConfig(temperature=1.0, top_p=0.8))
+    assert np.isfinite(np.asarray(shuffled)).tolist() == [[False, False, True, True, True]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(prompts=[[1, 2, 256]]), ValueError, "id 256, outside the vocabulary"),
+        (dict(prompts=[[1, -1]]), ValueError, "id -1"),
+        (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 is empty"),
+        (dict(prompts=[]), ValueError, "prompts is empty"),
+        (dict(prompts=[[1.5, 2.0]]), TypeError, "must be integers"),
+        (dict(prompts=np.ones((2, 3), np.float32)), TypeError, "must be integers"),
+        (dict(prompts=np.ones((2, 3), np.int32), prompt_lengths=[3, 4]), ValueError, "exceeds the padded"),
+        (dict(prompts=[[1] * 30], cache_capacity=20), ValueError, "cache_capacity=20"),
+        (dict(prompts=[[1]], max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(prompts=[[1]], temperature=-1.0), ValueError, "temperature"),
+        (dict(prompts=[[1]], temperature=1.0), ValueError, "PRNG key"),
+        (dict(prompts=[[1]], top_p=0.0, temperature=1.0, key=jax.random.key(0)), ValueError, "top_p"),
+        (dict(prompts=[[1]], stop_token_ids=[999]), ValueError, "stop token id 999"),
+        (dict(prompts=[[1]], method="beam"), ValueError, "unknown method 'beam'"),
+    ],
+)
+def test_bad_inputs(params, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        generate(params, **{"max_new_tokens": 4, **kwargs})
+
+
+def test_wrong_target_type():
+    with pytest.raises(TypeError, match="TargetParams"):
+        generate({"embed": 1}, [[1]])
+
+
+def test_forward_rejects_wrong_token_dtype(params):
+    from ddtree_jax.cache import KVCache
+
+    cache = KVCache.init(params.config, 1, 4)
+    with pytest.raises(AssertionError):
+        model.forward(
+            params, jnp.zeros((1, 2), jnp.float32), jnp.zeros((1, 2), jnp.int32), cache, jnp.ones((1, 2, 2), bool)
+        )

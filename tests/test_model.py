@@ -1,0 +1,163 @@
+"""Cache consistency: prefill + extend == one forward; tree extend == causal paths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import model
+from ddtree_jax.cache import KVCache
+from ddtree_jax.config import YarnConfig
+from tests.conftest import random_target, tiny
+
+CFGS = {
+    "default": tiny(rope_scaling=YarnConfig(factor=4.0, original_max_position_embeddings=32)),
+    "plain_q_all_moe": tiny(q_lora_rank=None, first_k_dense_replace=0),
+}
+
+
+WIDTH = 32
+
+
+@jax.jit
+def _padded_forward(params, tokens, n):
+    cache = KVCache.init(params.config, 1, 1)
+    out = model.forward(params, tokens, jnp.arange(WIDTH)[None], cache, model.causal_mask(n[None], WIDTH))
+    return model.logits(params, out.hidden)[0], out.kv
+
+
+def full_forward(params, tokens):
+    """Causal forward of one sequence from scratch (right-padded to WIDTH: one compile).
+
+    Returns (logits [n, V], latent kv [L, 1, n, *]).
+    """
+    n = len(tokens)
+    padded = np.zeros((1, WIDTH), np.int32)
+    padded[0, :n] = tokens
+    lg, kv = _padded_forward(params, jnp.asarray(padded), jnp.asarray(n))
+    return lg[:n], jax.tree.map(lambda a: a[:, :, :n], kv)
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_prefill_then_extend_one_at_a_time_equals_full_forward(name):
+    params = random_target(CFGS[name], seed=3)
+    tokens = np.random.default_rng(0).integers(0, 256, 14).tolist()
+    want, _ = full_forward(params, tokens)
+    split = 5
+    cache = KVCache.init(params.config, 1, 20)
+    first, cache = model.prefill(params, cache, jnp.asarray([tokens[:split]], jnp.int32), jnp.asarray([split]))
+
+    @jax.jit
+    def step(cache, token):
+        out = model.forward(params, token[None, None], cache.lengths[:, None], cache, jnp.ones((1, 1, 1), bool))
+        cache = cache.write(out.kv, cache.lengths[:, None]).replace(lengths=cache.lengths + 1)
+        return model.logits(params, out.hidden)[0, 0], cache
+
+    got = [first[0]]
+    for i in range(split, len(tokens)):
+        lg, cache = step(cache, jnp.int32(tokens[i]))
+        got.append(lg)
+    np.testing.assert_allclose(np.stack(got), want[split - 1 :], atol=2e-5, rtol=0)
+    assert int(cache.lengths[0]) == len(tokens)
+
+
+def random_tree(rng, n):
+    """parents[i] < i (root = -1 for node 0), depths, ancestor-or-self matrix."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    depth = [0] * n
+    vis = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+        vis[i] = vis[parents[i]]
+        vis[i, i] = True
+    return parents, np.array(depth), vis
+
+
+def path_to(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+def test_tree_extend_equals_causal_paths(name):
+    params = random_target(CFGS[name], seed=4)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, 7).tolist()
+    n = 12
+    parents, depth, vis = random_tree(rng, n)
+    tree_tokens = rng.integers(0, 256, n)
+    cache = KVCache.init(params.config, 1, 32)
+    _, cache = model.prefill(params, cache, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]))
+    out = model.forward(
+        params,
+        jnp.asarray(tree_tokens[None], jnp.int32),
+        jnp.asarray(len(prompt) + depth[None], jnp.int32),
+        cache,
+        jnp.asarray(vis[None]),
+    )
+    tree_logits = model.logits(params, out.hidden)[0]
+    for i in range(n):
+        path = path_to(parents, i)
+        want, want_kv = full_forward(params, prompt + tree_tokens[path].tolist())
+        np.testing.assert_allclose(tree_logits[i], want[-1], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(out.kv.c_kv[:, 0, i], want_kv.c_kv[:, 0, -1], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out.kv.k_pe[:, 0, i], want_kv.k_pe[:, 0, -1], atol=1e-5, rtol=0)
+
+
+def test_batch_rows_are_independent():
+    """A padded mixed-length batch gives each row what it gives alone."""
+    params = random_target(CFGS["default"], seed=5)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (9, 3, 6)]
+    width = max(map(len, prompts))
+    padded = np.zeros((3, width), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    cache = KVCache.init(params.config, 3, 16)
+    got, cache = model.prefill(params, cache, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]))
+    for i, p in enumerate(prompts):
+        want, _ = full_forward(params, p)
+        np.testing.assert_allclose(got[i], want[-1], atol=2e-5, rtol=0)
+
+
+def test_taps_are_layer_outputs():
+    params = random_target(CFGS["default"], seed=6)
+    tokens = jnp.asarray([[5, 6, 7]], jnp.int32)
+    cache = KVCache.init(params.config, 1, 3)
+    args = (params, tokens, jnp.arange(3)[None], cache, model.causal_mask(jnp.asarray([3]), 3))
+    out = model.forward(*args, tap_layers=(0, 2))
+    assert out.taps.shape == (2, 1, 3, params.config.hidden_size)
+    # The last layer's output, final-normed, is the returned hidden state.
+    out_last = model.forward(*args, tap_layers=(2,))
+    normed = model.rms_norm(out_last.taps[0], params.final_norm, params.config.rms_norm_eps)
+    np.testing.assert_allclose(normed, out.hidden, atol=1e-6)
+    with pytest.raises(ValueError, match="tap layer 3"):
+        model.forward(*args, tap_layers=(3,))
+
+
+def test_cache_write_drops_out_of_range_slots():
+    cfg = CFGS["default"]
+    cache = KVCache.init(cfg, 2, 4)
+    new = model.LatentKV(
+        c_kv=jnp.ones((cfg.num_hidden_layers, 2, 2, cfg.kv_lora_rank)),
+        k_pe=jnp.ones((cfg.num_hidden_layers, 2, 2, cfg.qk_rope_head_dim)),
+    )
+    out = cache.write(new, jnp.asarray([[0, 4], [3, 2]]))
+    written = np.asarray(out.c_kv[0, :, :, 0])
+    np.testing.assert_array_equal(written, [[1, 0, 0, 0], [0, 0, 1, 1]])
+
+
+def test_bf16_forward_runs_and_is_close_to_f32():
+    cfg = CFGS["default"]
+    p32 = random_target(cfg, seed=7, std=0.05)
+    p16 = model.cast_params(p32, jnp.bfloat16)
+    assert p16.moe_layers.mlp.router_bias.dtype == jnp.float32
+    tokens = list(range(10, 20))
+    want, _ = full_forward(p32, tokens)
+    got, _ = full_forward(p16, tokens)
+    assert got.dtype == jnp.float32
+    rel = np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want))
+    assert rel < 5e-2
