@@ -66,8 +66,9 @@ class KVCache:
     def write(self, new: LatentKV, slots: jax.Array) -> KVCache:
         """Writes new token t of sequence b into slot slots[b, t].
 
-        Slots outside [0, capacity) are dropped, which is how callers skip
-        padding or rejected tokens (pass `capacity`). Lengths are unchanged.
+        Slots >= capacity are dropped, which is how callers skip padding or
+        rejected tokens (pass `capacity`); slots must not be negative (they would
+        wrap). Lengths are unchanged.
         """
         b, t = slots.shape
         chex.assert_shape(new.c_kv, (self.c_kv.shape[0], b, t, self.c_kv.shape[3]))

@@ -9,19 +9,25 @@ tokens do not depend on the other rows. Output tokens past a row's length are -1
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ddtree_jax import decode
 from ddtree_jax.cache import KVCache
-from ddtree_jax.model import TargetParams, forward, logits, prefill
+from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
+from ddtree_jax.model import TargetParams, causal_mask, forward, logits
 from ddtree_jax.sampling import SamplingConfig, choose
+from ddtree_jax.tree import check_budget
 
-METHODS = ("ar",)
+METHODS = ("ar", "dflash", "ddtree")
+DEFAULT_BUDGET = 64
 PAD = -1
 
 
@@ -53,15 +59,16 @@ class GenerateResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per decoding round over all rows."""
-        rounds, lengths = jax.device_get((self.rounds, self.lengths))
-        return float((lengths - 1).sum() / max(int(rounds.sum()), 1))
+        """Mean acceptance length (accepted drafts + bonus) per round over all rows."""
+        rounds, accept = jax.device_get((self.rounds, self.accept_lengths))
+        return float(accept.sum() / max(int(rounds.sum()), 1))
 
 
 @struct.dataclass
-class _ARState:
+class _State:
     cache: KVCache
-    last: jax.Array  # [B] newest token, not yet in the cache
+    draft_state: Any  # the drafter's own state (DrafterCache for DFlash)
+    root: jax.Array  # [B] newest token, not yet in the cache
     tokens: jax.Array  # [B, M]
     lengths: jax.Array  # [B]
     done: jax.Array  # [B]
@@ -72,38 +79,104 @@ class _ARState:
 
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("max_new_tokens", "sampling", "cache_capacity", "cache_dtype", "implementation"),
-)
-def _generate_ar(
-    params: TargetParams,
-    prompts: jax.Array,  # [B, P]
-    prompt_lengths: jax.Array,  # [B]
-    stop_ids: jax.Array,  # [n_stop] (-1 = none)
-    key: jax.Array,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    cache_capacity: int,
-    cache_dtype: str,
-    implementation: str,
-) -> GenerateResult:
-    b, m = prompts.shape[0], max_new_tokens
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that shapes the compiled loop."""
+
+    method: str
+    budget: int
+    max_new_tokens: int
+    sampling: SamplingConfig
+    cache_capacity: int
+    cache_dtype: str
+    implementation: str
+
+
+def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static):
+    """Prompt into the target cache (and its tapped features into the drafter's)."""
+    b, p = prompts.shape
+    idx = jnp.arange(p, dtype=jnp.int32)[None, :]
+    valid = idx < prompt_lengths[:, None]
+    taps = drafter.tap_layers if drafter is not None else ()
+    out = forward(
+        target,
+        prompts,
+        jnp.broadcast_to(idx, (b, p)),
+        cache,
+        causal_mask(prompt_lengths, p),
+        tap_layers=taps,
+        implementation=st.implementation,
+    )
+    cache = cache.write(out.kv, jnp.where(valid, idx, cache.capacity)).replace(lengths=prompt_lengths)
+    last = out.hidden[jnp.arange(b), prompt_lengths - 1]
+    draft_state = None
+    if drafter is not None:
+        draft_state = drafter.init_state(target, b, st.cache_capacity)
+        draft_state = drafter.observe(draft_state, out.taps, jnp.broadcast_to(idx, (b, p)), valid)
+    return logits(target, last), cache, draft_state
+
+
+def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
+    """One draft -> tree -> verify -> accept -> commit round for every active row."""
+    b, m = s.tokens.shape
+    rows = jnp.arange(b)[:, None]
+    active = ~s.done
+    key, k_draft, k_choice = jax.random.split(s.key, 3)
+    draft_logits = None
+    if drafter is not None:
+        with jax.named_scope("draft"):
+            draft_logits = drafter.propose(s.draft_state, target, s.cache, s.root, k_draft)
+    tree = decode.build_tree(st.method, draft_logits, s.root, st.budget)
+    out = decode.verify(
+        target, s.cache, tree, tap_layers=drafter.tap_layers if drafter else (), implementation=st.implementation
+    )
+    acc = decode.accept(tree, decode.target_choices(target, out.hidden, k_choice, st.sampling))
+    new = decode.path_tokens(tree, acc)  # [B, Dp]
+    j = jnp.arange(new.shape[1])[None, :]
+    n_emit = jnp.minimum(acc.length, m - s.lengths)[:, None]
+    is_stop = _is_stop(new, stop_ids) & (j < n_emit)
+    has_stop = jnp.any(is_stop, axis=1) & active
+    n_emit = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n_emit[:, 0]) * active
+    tokens = s.tokens.at[rows, jnp.where(j < n_emit[:, None], s.lengths[:, None] + j, m)].set(new, mode="drop")
+    draft_state = s.draft_state
+    if drafter is not None:
+        positions = s.cache.lengths[:, None] + j
+        valid = (j < acc.length[:, None]) & active[:, None]
+        feats = None if out.taps is None else decode.path_features(out.taps, acc)
+        draft_state = drafter.observe(draft_state, feats, positions, valid)
+    lengths = s.lengths + n_emit
+    stopped = s.stopped | has_stop
+    return _State(
+        cache=decode.commit(s.cache, out.kv, acc, active),
+        draft_state=draft_state,
+        root=jnp.where(active, acc.bonus, s.root),
+        tokens=tokens,
+        lengths=lengths,
+        done=s.done | stopped | (lengths >= m),
+        stopped=stopped,
+        rounds=s.rounds + active,
+        accept=s.accept.at[jnp.where(active, s.rounds, m), rows[:, 0]].set(acc.length, mode="drop"),
+        key=key,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _Static) -> GenerateResult:
+    b, m = prompts.shape[0], st.max_new_tokens
     # Allocated inside the jit: the cache never crosses the boundary, and the
     # while_loop updates it in place.
-    cache = KVCache.init(params.config, b, cache_capacity, jnp.dtype(cache_dtype))
-    rows = jnp.arange(b)
-    first_logits, cache = prefill(params, cache, prompts, prompt_lengths, implementation=implementation)
+    cache = KVCache.init(target.config, b, st.cache_capacity, jnp.dtype(st.cache_dtype))
+    first_logits, cache, draft_state = _prefill(target, drafter, cache, prompts, prompt_lengths, st)
     key, sub = jax.random.split(key)
-    first = choose(first_logits, sub, sampling)
+    first = choose(first_logits, sub, st.sampling)
     stopped = _is_stop(first, stop_ids)
-    state = _ARState(
+    state = _State(
         cache=cache,
-        last=first,
+        draft_state=draft_state,
+        root=first,
         tokens=jnp.full((b, m), PAD, jnp.int32).at[:, 0].set(first),
         lengths=jnp.ones((b,), jnp.int32),
         done=stopped | (m <= 1),
@@ -112,44 +185,10 @@ def _generate_ar(
         accept=jnp.zeros((m, b), jnp.int32),
         key=key,
     )
-
-    def cond(s: _ARState):
-        return ~jnp.all(s.done)
-
-    def body(s: _ARState) -> _ARState:
-        active = ~s.done
-        c = s.cache
-        out = forward(
-            params,
-            s.last[:, None],
-            c.lengths[:, None],
-            c,
-            jnp.ones((b, 1, 1), jnp.bool_),
-            implementation=implementation,
-        )
-        c = c.write(out.kv, jnp.where(active, c.lengths, c.capacity)[:, None])
-        c = c.replace(lengths=c.lengths + active)
-        key, sub = jax.random.split(s.key)
-        nxt = choose(logits(params, out.hidden[:, 0]), sub, sampling)
-        nxt = jnp.where(active, nxt, s.last)
-        tokens = s.tokens.at[rows, jnp.where(active, s.lengths, m)].set(nxt, mode="drop")
-        is_stop = active & _is_stop(nxt, stop_ids)
-        lengths = s.lengths + active
-        accept = s.accept.at[jnp.where(active, s.rounds, m), rows].set(1, mode="drop")
-        return _ARState(
-            cache=c,
-            last=nxt,
-            tokens=tokens,
-            lengths=lengths,
-            done=s.done | is_stop | (lengths >= m),
-            stopped=s.stopped | is_stop,
-            rounds=s.rounds + active,
-            accept=accept,
-            key=key,
-        )
-
     with jax.named_scope("decode_loop"):
-        s = jax.lax.while_loop(cond, body, state)
+        s = jax.lax.while_loop(
+            lambda s: ~jnp.all(s.done), functools.partial(_round, target, drafter, stop_ids, st), state
+        )
     return GenerateResult(
         tokens=s.tokens,
         lengths=s.lengths,
@@ -208,9 +247,12 @@ def _as_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.
 
 def generate(
     target: TargetParams,
-    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array,
+    drafter: Any = None,
+    prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array | None = None,
     *,
     method: str = "ar",
+    tree_budget: int | None = None,
+    block_size: int | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -222,13 +264,23 @@ def generate(
     cache_dtype=None,
     implementation: str = "xla",
 ) -> GenerateResult:
-    """Generates continuations of a batch of prompts.
+    """Generates continuations of a batch of prompts, by AR, DFlash or DDTree decoding.
+
+    Call as `generate(target, drafter, prompts, method=...)`, or for plain AR
+    decoding `generate(target, prompts)`. All methods share one jitted loop: a
+    round drafts, builds a tree (root only for "ar", the drafter's argmax chain for
+    "dflash", the best `tree_budget`-node tree for "ddtree"), verifies it in one
+    target forward and commits the accepted path. Greedy output is identical across
+    methods; sampled output has the target's distribution whatever the drafter.
 
     Args:
       target: target weights (`init_params`, `load_target`, `restore_checkpoint`).
+      drafter: DFlash `DrafterParams`, an `OracleDrafter` / `RandomDrafter`, or None for "ar".
       prompts: a list of token-id lists (any lengths), or a right-padded
         [B, P] integer array with `prompt_lengths`.
-      method: "ar" (plain autoregressive decoding).
+      method: "ar", "dflash" or "ddtree".
+      tree_budget: DDTree node budget (root not counted), 1..1024; default 64.
+      block_size: use a smaller block than the drafter's (>= 2).
       max_new_tokens: the most tokens generated per row (>= 1).
       temperature: 0 for greedy, else sampling temperature.
       top_k: sampling keeps the k most likely tokens (0 = all).
@@ -237,21 +289,38 @@ def generate(
       stop_token_ids: a row ends after emitting one of these (it is included).
         Defaults to the config's eos_token_id, if any; pass () for none.
       prompt_lengths: valid length of each row of a padded array.
-      cache_capacity: KV-cache slots per row; default: longest prompt + max_new_tokens.
+      cache_capacity: KV-cache slots per row; default: longest prompt +
+        max_new_tokens + block_size.
       cache_dtype: latent-cache dtype; default the params' dtype.
       implementation: "xla" or "pallas" kernels.
 
     Returns:
-      A `GenerateResult` (device arrays; `to_lists()` for Python ids).
+      A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`).
 
     Raises:
-      ValueError / TypeError: on bad input, naming the offending value.
+      ValueError / TypeError / ConfigError: on bad input, naming the offending value.
     """
+    if prompts is None and not is_drafter(drafter):
+        drafter, prompts = None, drafter
     if not isinstance(target, TargetParams):
         raise TypeError(f"target must be TargetParams, got {type(target).__name__}")
     cfg = target.config
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if prompts is None:
+        raise ValueError("no prompts given")
+    budget = 0
+    if method == "ar":
+        drafter = None
+    else:
+        if drafter is None:
+            raise ValueError(f"method={method!r} needs a drafter (e.g. DrafterParams, OracleDrafter, RandomDrafter)")
+        drafter = as_drafter(drafter, block_size)
+        if isinstance(drafter, DFlashDrafter):
+            drafter.params.config.check_compatible(cfg)
+        if method == "ddtree":
+            budget = DEFAULT_BUDGET if tree_budget is None else tree_budget
+            check_budget(budget)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
@@ -266,24 +335,25 @@ def generate(
     for t in stop:
         if not 0 <= t < cfg.vocab_size:
             raise ValueError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
-    needed = int(lengths.max()) + int(max_new_tokens) - 1
+    depth = 0 if drafter is None else drafter.block_size - 1
+    needed = int(lengths.max()) + int(max_new_tokens) + depth
     if cache_capacity is None:
-        cache_capacity = int(lengths.max()) + int(max_new_tokens)
+        cache_capacity = needed
     if cache_capacity < needed:
         i = int(np.argmax(lengths))
         raise ValueError(
-            f"prompt {i} ({lengths[i]} tokens) + max_new_tokens={max_new_tokens} needs {needed} cache slots, "
-            f"more than cache_capacity={cache_capacity}"
+            f"prompt {i} ({lengths[i]} tokens) + max_new_tokens={max_new_tokens} + draft depth {depth} needs "
+            f"{needed} cache slots, more than cache_capacity={cache_capacity}"
         )
-    return _generate_ar(
-        target,
-        jnp.asarray(ids),
-        jnp.asarray(lengths),
-        jnp.asarray(stop or [PAD], jnp.int32),
-        key,
+    st = _Static(
+        method=method,
+        budget=int(budget),
         max_new_tokens=int(max_new_tokens),
         sampling=sampling,
         cache_capacity=int(cache_capacity),
         cache_dtype=jnp.dtype(cache_dtype or target.dtype).name,
         implementation=implementation,
+    )
+    return _generate(
+        target, drafter, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop or [PAD], jnp.int32), key, st=st
     )

@@ -1,0 +1,675 @@
+"""The DFlash drafter (block diffusion, one forward proposes a block) as pure functions.
+
+Notation:
+  B batch, C context tokens in one `extend_context` call, T block tokens (bs),
+  S cache capacity, V vocab, H hidden, Nq query heads, Nkv key/value heads,
+  G = Nq // Nkv query heads per kv head, hd head_dim, I intermediate size,
+  Ld drafter layers, n_taps tapped target layers.
+
+A Qwen3-style stack without embedding or LM head: the block [root, MASK, ...] is
+embedded with the target's table and the final hidden states are unembedded with
+the target's lm_head. The target's tapped hidden states, concatenated and
+projected (`fc`, `hidden_norm`), give one context vector per committed token;
+every layer projects it to keys/values of its own (cached in `DrafterCache`).
+The block's queries attend, without a mask, to all committed context keys and
+to all block keys; the block's keys/values are never kept.
+
+Weights are stored [in, out] (x @ w), heads split out; layers are stacked on a
+leading axis and run with `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ddtree_jax.checkpoint import IGNORED, _Reader, _t
+from ddtree_jax.config import ConfigError, TargetConfig
+from ddtree_jax.layers import apply_rope, einsum, linear, rms_norm, rope_inv_freq, swiglu
+from ddtree_jax.safetensors_io import CheckpointError, save_file
+
+__all__ = [
+    "DrafterCache",
+    "DrafterConfig",
+    "DrafterLayerParams",
+    "DrafterParams",
+    "default_target_layer_ids",
+    "draft",
+    "drafter_config_for",
+    "extend_context",
+    "init_params",
+    "load_drafter",
+    "save_drafter_hf",
+    "tap_features",
+]
+
+# dflash_config / top-level keys of later DFlash variants that change the math, with
+# the value that leaves it unchanged.
+_NEUTRAL_EXTRAS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's default taps: evenly spaced from target layer 1 to N - 3 (the middle one for one layer).
+
+    E.g. 5 draft layers on a 36-layer target -> (1, 9, 17, 25, 33).
+    """
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Shapes and hyper-parameters of a DFlash drafter (HF Qwen3Config names plus `dflash_config`)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    num_target_layers: int | None = None
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self):
+        positive = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+            "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 (root + at least one mask), got {self.block_size}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even (rotate-half RoPE), got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} must be divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if not isinstance(self.target_layer_ids, tuple | list) or not self.target_layer_ids:
+            raise ConfigError(f"target_layer_ids must be a non-empty sequence, got {self.target_layer_ids!r}")
+        # A tuple keeps the config hashable: it is a static field of DrafterParams.
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        if self.num_target_layers is not None and (
+            not isinstance(self.num_target_layers, int) or self.num_target_layers < 1
+        ):
+            raise ConfigError(f"num_target_layers must be None or a positive int, got {self.num_target_layers!r}")
+        upper = self.num_target_layers
+        for layer in self.target_layer_ids:
+            if not isinstance(layer, int) or layer < 0 or (upper is not None and layer >= upper):
+                bound = f"[0, num_target_layers={upper})" if upper is not None else "non-negative ints"
+                raise ConfigError(f"target_layer_ids {self.target_layer_ids} must lie in {bound}")
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id={self.mask_token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def num_kv_groups(self) -> int:
+        """G: query heads served by each kv head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    # HF interop ----------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> DrafterConfig:
+        """Builds a config from a published DFlash `config.json` dict.
+
+        `target_layer_ids`, `mask_token_id` and `block_size` are read from
+        `dflash_config` first, then from the top level. Missing
+        `target_layer_ids` default to `default_target_layer_ids(num_target_layers,
+        num_hidden_layers)`. Accepts `rope_theta` or transformers 5's `rope_parameters`.
+
+        Raises:
+            ConfigError: on a missing key or a feature the drafter does not support.
+        """
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if hf.get("attention_bias", False):
+            raise ConfigError("attention_bias=True is not supported")
+        if hf.get("rope_scaling") is not None:
+            raise ConfigError(f"rope_scaling {hf['rope_scaling']!r} is not supported (plain RoPE only)")
+        rope = hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope type {rope_type!r} is not supported (plain RoPE only)")
+        if hf.get("is_causal"):
+            raise ConfigError("is_causal=True is not supported (DFlash attends without a mask)")
+        dflash = hf.get("dflash_config") or {}
+
+        def value(name, default=None):
+            return dflash.get(name, hf.get(name, default))
+
+        for name, neutral in _NEUTRAL_EXTRAS.items():
+            if value(name, neutral) != neutral:
+                raise ConfigError(f"{name}={value(name)!r} is not supported (only {neutral!r})")
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [k for k in required if k not in hf]
+        if value("mask_token_id") is None:
+            missing.append("dflash_config.mask_token_id")
+        if missing:
+            raise ConfigError(f"config.json lacks required keys: {missing}")
+        n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            # Qwen3Config's rule when layer_types is absent.
+            sliding = hf.get("use_sliding_window") and hf.get("sliding_window") is not None
+            first = hf.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
+        if "sliding_attention" in layer_types:
+            raise ConfigError(f"sliding-window layers are not supported (layer_types={layer_types})")
+        num_target_layers = hf.get("num_target_layers")
+        target_layer_ids = value("target_layer_ids")
+        if target_layer_ids is None:
+            if num_target_layers is None:
+                raise ConfigError("config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+            target_layer_ids = default_target_layer_ids(num_target_layers, n)
+        return cls(
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            vocab_size=hf["vocab_size"],
+            block_size=value("block_size", 16),
+            target_layer_ids=tuple(target_layer_ids),
+            mask_token_id=value("mask_token_id"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e6))),
+            num_target_layers=num_target_layers,
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF `config.json` dict (`DFlashDraftModel`, Qwen3 layout); `from_hf_config` reads it back."""
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+        }
+        for f in dataclasses.fields(self):
+            if f.name not in ("target_layer_ids", "mask_token_id", "num_target_layers"):
+                out[f.name] = getattr(self, f.name)
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        out["dflash_config"] = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> DrafterConfig:
+        """Reads a DFlash `config.json` file (see `from_hf_config`)."""
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_config(hf)
+
+    def check_compatible(self, target: TargetConfig) -> None:
+        """Raises ConfigError if this drafter cannot run on `target` (shapes, taps, vocabulary)."""
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(f"drafter hidden_size={self.hidden_size} != target hidden_size={target.hidden_size}")
+        n = target.num_hidden_layers
+        if self.num_target_layers is not None and self.num_target_layers != n:
+            raise ConfigError(f"drafter num_target_layers={self.num_target_layers} != target num_hidden_layers={n}")
+        bad = [layer for layer in self.target_layer_ids if not 0 <= layer < n]
+        if bad:
+            raise ConfigError(f"drafter target_layer_ids {bad} outside the target's layers [0, {n})")
+        if self.mask_token_id >= target.vocab_size:
+            raise ConfigError(
+                f"drafter mask_token_id={self.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})"
+            )
+        if self.vocab_size != target.vocab_size:
+            raise ConfigError(f"drafter vocab_size={self.vocab_size} != target vocab_size={target.vocab_size}")
+
+
+def drafter_config_for(
+    target: TargetConfig,
+    *,
+    num_hidden_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
+) -> DrafterConfig:
+    """A drafter config that fits `target`, with defaults derived from it.
+
+    Defaults: the target's hidden size, vocabulary, head count, intermediate
+    size, RMSNorm eps and max positions; Nkv = Nq // 4 when that divides
+    (else Nq); hd = H // Nq; mask token = the last vocabulary id; taps
+    `default_target_layer_ids`, or evenly spread over all layers of a target
+    too shallow for that rule.
+    """
+    n = target.num_hidden_layers
+    nq = num_attention_heads or target.num_attention_heads
+    if num_key_value_heads is None:
+        num_key_value_heads = nq // 4 if nq % 4 == 0 else nq
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(n, num_hidden_layers)
+        ids = target_layer_ids
+        if not (all(0 <= x < n for x in ids) and all(a < b for a, b in itertools.pairwise(ids))):
+            # Targets too shallow for DFlash's 1 .. N-3 rule: spread over all layers instead.
+            target_layer_ids = tuple(
+                sorted({round(i * (n - 1) / max(num_hidden_layers - 1, 1)) for i in range(num_hidden_layers)})
+            )
+    return DrafterConfig(
+        hidden_size=target.hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=nq,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim or target.hidden_size // nq,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        vocab_size=target.vocab_size,
+        block_size=block_size,
+        target_layer_ids=tuple(target_layer_ids),
+        mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        rms_norm_eps=target.rms_norm_eps,
+        num_target_layers=n,
+        max_position_embeddings=target.max_position_embeddings,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Parameters and cache
+
+
+@struct.dataclass
+class DrafterLayerParams:
+    """One drafter layer (stacked: every leaf gains a leading layer axis)."""
+
+    input_norm: jax.Array  # [H]
+    q: jax.Array  # [H, Nq, hd]
+    k: jax.Array  # [H, Nkv, hd]
+    v: jax.Array  # [H, Nkv, hd]
+    q_norm: jax.Array  # [hd]
+    k_norm: jax.Array  # [hd]
+    o: jax.Array  # [Nq, hd, H]
+    post_norm: jax.Array  # [H]
+    gate: jax.Array  # [H, I]
+    up: jax.Array  # [H, I]
+    down: jax.Array  # [I, H]
+
+
+@struct.dataclass
+class DrafterParams:
+    """All drafter weights plus the (static) config."""
+
+    config: DrafterConfig = struct.field(pytree_node=False)
+    fc: jax.Array  # [n_taps * H, H]
+    hidden_norm: jax.Array  # [H]
+    layers: DrafterLayerParams  # leaves [Ld, ...]
+    norm: jax.Array  # [H]
+
+    @property
+    def dtype(self):
+        return self.fc.dtype
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> DrafterParams:
+    """Random weights: normal(0, std) matrices, unit norms."""
+    keys = iter(jax.random.split(key, 8))
+
+    def normal(*shape):
+        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    nl, h, i, hd = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    layers = DrafterLayerParams(
+        input_norm=jnp.ones((nl, h), dtype),
+        q=normal(nl, h, nq, hd),
+        k=normal(nl, h, nkv, hd),
+        v=normal(nl, h, nkv, hd),
+        q_norm=jnp.ones((nl, hd), dtype),
+        k_norm=jnp.ones((nl, hd), dtype),
+        o=normal(nl, nq, hd, h),
+        post_norm=jnp.ones((nl, h), dtype),
+        gate=normal(nl, h, i),
+        up=normal(nl, h, i),
+        down=normal(nl, i, h),
+    )
+    return DrafterParams(
+        config=cfg,
+        fc=normal(cfg.n_taps * h, h),
+        hidden_norm=jnp.ones((h,), dtype),
+        layers=layers,
+        norm=jnp.ones((h,), dtype),
+    )
+
+
+@struct.dataclass
+class DrafterCache:
+    """Per-layer context keys (k_norm'd, RoPE'd) and values; slot s holds position s."""
+
+    k: jax.Array  # [Ld, B, S, Nkv, hd]
+    v: jax.Array  # [Ld, B, S, Nkv, hd]
+    lengths: jax.Array  # [B] int32, committed context entries (slots < lengths are visible)
+
+    @classmethod
+    def init(cls, cfg: DrafterConfig, batch: int, capacity: int, dtype=jnp.float32) -> DrafterCache:
+        """An empty cache: zeros, all lengths 0."""
+        if batch < 1:
+            raise ValueError(f"cache batch must be >= 1, got {batch}")
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
+        shape = (cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    def write(self, k: jax.Array, v: jax.Array, slots: jax.Array) -> DrafterCache:
+        """Writes entry c of row b (k, v: [Ld, B, C, Nkv, hd]) into slot slots[b, c].
+
+        Slots >= capacity are dropped (negative ones wrap around, as in numpy).
+        Lengths are unchanged.
+        """
+        b, c = slots.shape
+        chex.assert_shape([k, v], (self.k.shape[0], b, c, *self.k.shape[3:]))
+        rows = jnp.arange(b)[:, None]
+        return self.replace(
+            k=self.k.at[:, rows, slots].set(k.astype(self.dtype), mode="drop"),
+            v=self.v.at[:, rows, slots].set(v.astype(self.dtype), mode="drop"),
+        )
+
+
+# ----------------------------------------------------------------------------------
+# Forward
+
+
+def tap_features(taps: jax.Array) -> jax.Array:
+    """[n_taps, B, T, H] (`ForwardOutput.taps`) -> [B, T, n_taps * H], i.e. concat([taps[0], taps[1], ...], -1)."""
+    n, b, t, h = taps.shape
+    return jnp.transpose(taps, (1, 2, 0, 3)).reshape(b, t, n * h)
+
+
+def _rope(cfg: DrafterConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, hd // 2] float32 at integer positions [B, T]."""
+    inv_freq, _ = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def _keys_values(
+    cfg: DrafterConfig, lp: DrafterLayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One layer's k (k_norm'd, RoPE'd) and v [B, T, Nkv, hd] of inputs x [B, T, H]."""
+    k = apply_rope(rms_norm(linear(x, lp.k), lp.k_norm, cfg.rms_norm_eps), cos, sin)
+    return k, linear(x, lp.v)
+
+
+def _attention(
+    q: jax.Array,  # [B, T, Nq, hd]
+    k_ctx: jax.Array,  # [B, S, Nkv, hd]
+    v_ctx: jax.Array,
+    ctx_len: jax.Array,  # [B]
+    k_blk: jax.Array,  # [B, T, Nkv, hd]
+    v_blk: jax.Array,
+) -> jax.Array:
+    """Block queries over committed context (slots < ctx_len) plus every block token. -> [B, T, Nq, hd]."""
+    b, t, nq, hd = q.shape
+    nkv, s = k_blk.shape[2], k_ctx.shape[1]
+    # HF repeat_kv: kv head j serves the contiguous query heads j*G .. j*G + G - 1.
+    qg = q.reshape(b, t, nkv, nq // nkv, hd)
+    s_ctx = einsum("btkgd,bskd->bkgts", qg, k_ctx)
+    visible = jnp.arange(s)[None, :] < ctx_len[:, None]  # [B, S]
+    s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)
+    s_blk = einsum("btkgd,bukd->bkgtu", qg, k_blk)
+    # Block keys are always visible, so no row is all -inf.
+    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1)
+    o = einsum("bkgts,bskd->btkgd", p[..., :s].astype(v_ctx.dtype), v_ctx)
+    o = o + einsum("bkgtu,bukd->btkgd", p[..., s:].astype(v_blk.dtype), v_blk)
+    return o.reshape(b, t, nq, hd).astype(q.dtype)
+
+
+def extend_context(
+    params: DrafterParams,
+    cache: DrafterCache,
+    features: jax.Array,  # [B, C, n_taps * H]
+    positions: jax.Array,  # [B, C] int32
+    valid: jax.Array,  # [B, C] bool
+) -> DrafterCache:
+    """Commits context tokens: their per-layer keys/values go to slot = position.
+
+    Valid entries of row b must be contiguous and start at position
+    cache.lengths[b]; invalid entries are dropped (their positions may be
+    anything, including >= capacity). lengths[b] grows by the valid count.
+
+    Args:
+      params: drafter weights.
+      cache: the drafter cache.
+      features: the target's tapped hidden states (`tap_features`) at those tokens.
+      positions: absolute positions of the tokens.
+      valid: which entries to commit.
+
+    Returns:
+      The updated cache.
+    """
+    cfg = params.config
+    b, c = positions.shape
+    chex.assert_shape(features, (b, c, cfg.n_taps * cfg.hidden_size))
+    chex.assert_shape(valid, (b, c))
+    if cache.batch != b:
+        raise ValueError(f"cache batch {cache.batch} != features batch {b}")
+    with jax.named_scope("drafter_context"):
+        ctx = rms_norm(linear(features.astype(params.dtype), params.fc), params.hidden_norm, cfg.rms_norm_eps)
+        cos, sin = _rope(cfg, positions)
+        # lax.map (a scan) keeps the per-layer dots unbatched (XLA:CPU lacks batched bf16 dots).
+        k, v = jax.lax.map(lambda lp: _keys_values(cfg, lp, ctx, cos, sin), params.layers)
+        slots = jnp.where(valid, positions, cache.capacity)
+        cache = cache.write(k, v, slots)
+        return cache.replace(lengths=cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
+
+
+def draft(
+    params: DrafterParams,
+    cache: DrafterCache,
+    embed: jax.Array,  # [V, H] the target's embedding table
+    unembed: jax.Array,  # [H, V] the target's lm_head
+    block_tokens: jax.Array,  # [B, T] int32: [root, mask, ...]
+    block_positions: jax.Array,  # [B, T] int32
+) -> jax.Array:
+    """One drafter forward over a block; float32 logits [B, T - 1, V] for block slots 1 .. T-1.
+
+    Slot d's logits are the distribution of the token at block_positions[:, d]
+    (no shift). T is normally `config.block_size`. The cache is only read.
+
+    Args:
+      params: drafter weights.
+      cache: committed context keys/values.
+      embed: the target's input embedding.
+      unembed: the target's output projection.
+      block_tokens: the root (bonus) token followed by mask tokens.
+      block_positions: absolute positions of the block, L .. L + T - 1.
+
+    Returns:
+      Logits of the masked slots.
+    """
+    cfg = params.config
+    b, t = block_tokens.shape
+    chex.assert_shape(block_positions, (b, t))
+    chex.assert_shape(embed, (cfg.vocab_size, cfg.hidden_size))
+    chex.assert_shape(unembed, (cfg.hidden_size, cfg.vocab_size))
+    if cache.batch != b:
+        raise ValueError(f"cache batch {cache.batch} != block batch {b}")
+    if t < 2:
+        raise ValueError(f"a block needs the root and >= 1 mask slot, got {t} tokens")
+    eps = cfg.rms_norm_eps
+    with jax.named_scope("draft"):
+        x = embed[block_tokens].astype(params.dtype)
+        cos, sin = _rope(cfg, block_positions)
+
+        def body(x, xs):
+            lp, k_ctx, v_ctx = xs
+            h = rms_norm(x, lp.input_norm, eps)
+            q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
+            k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
+            o = _attention(q, k_ctx, v_ctx, cache.lengths, k_blk, v_blk)
+            x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
+            x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
+            return x, None
+
+        x, _ = jax.lax.scan(body, x, (params.layers, cache.k, cache.v))
+        hidden = rms_norm(x[:, 1:], params.norm, eps)
+        return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------
+# HF checkpoints
+
+
+# (HF name suffix, HF shape, our field, to_ours, to_hf); HF (torch Linear) stores [out, in].
+Entry = tuple[str, tuple[int, ...], str, Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
+
+
+def _identity(a):
+    return a
+
+
+def _layer_entries(cfg: DrafterConfig) -> list[Entry]:
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def heads_out(n):  # [n * hd, H] <-> [H, n, hd]
+        return lambda a: _t(a).reshape(h, n, hd), lambda a: _t(a.reshape(h, n * hd))
+
+    return [
+        ("input_layernorm.weight", (h,), "input_norm", _identity, _identity),
+        ("post_attention_layernorm.weight", (h,), "post_norm", _identity, _identity),
+        ("self_attn.q_proj.weight", (nq * hd, h), "q", *heads_out(nq)),
+        ("self_attn.k_proj.weight", (nkv * hd, h), "k", *heads_out(nkv)),
+        ("self_attn.v_proj.weight", (nkv * hd, h), "v", *heads_out(nkv)),
+        (
+            "self_attn.o_proj.weight",
+            (h, nq * hd),
+            "o",
+            lambda a: _t(a).reshape(nq, hd, h),
+            lambda a: _t(a.reshape(nq * hd, h)),
+        ),
+        ("self_attn.q_norm.weight", (hd,), "q_norm", _identity, _identity),
+        ("self_attn.k_norm.weight", (hd,), "k_norm", _identity, _identity),
+        ("mlp.gate_proj.weight", (i, h), "gate", _t, _t),
+        ("mlp.up_proj.weight", (i, h), "up", _t, _t),
+        ("mlp.down_proj.weight", (h, i), "down", _t, _t),
+    ]
+
+
+def _top_entries(cfg: DrafterConfig) -> list[Entry]:
+    h = cfg.hidden_size
+    return [
+        ("fc.weight", (h, cfg.n_taps * h), "fc", _t, _t),
+        ("hidden_norm.weight", (h,), "hidden_norm", _identity, _identity),
+        ("norm.weight", (h,), "norm", _identity, _identity),
+    ]
+
+
+def load_drafter(path: str | os.PathLike, *, dtype=None) -> DrafterParams:
+    """Loads an HF-format DFlash drafter directory (config.json + safetensors, index optional).
+
+    Weight names may carry a "model." prefix.
+
+    Args:
+      path: the checkpoint directory.
+      dtype: parameter dtype; None keeps the stored dtype of `fc.weight`.
+
+    Raises:
+      FileNotFoundError: no directory, config.json or weight files.
+      CheckpointError: a missing, extra or mis-shaped weight, or a corrupt file.
+      ConfigError: a config the drafter does not support.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"drafter directory {path!r} does not exist")
+    cfg = DrafterConfig.from_json_file(os.path.join(path, "config.json"))
+    reader = _Reader(path)
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        prefixed = "model." + name
+        return reader.get(prefixed if not reader.has(name) and reader.has(prefixed) else name, shape)
+
+    top = {field: to_ours(get(suffix, shape)) for suffix, shape, field, to_ours, _ in _top_entries(cfg)}
+    dtype = np.dtype(dtype) if dtype is not None else top["fc"].dtype
+
+    def cast(a: np.ndarray) -> jax.Array:
+        return jnp.asarray(np.asarray(a, dtype))
+
+    per_field: dict[str, list[np.ndarray]] = {}
+    for li in range(cfg.num_hidden_layers):
+        for suffix, shape, field, to_ours, _ in _layer_entries(cfg):
+            per_field.setdefault(field, []).append(to_ours(get(f"layers.{li}.{suffix}", shape)))
+    extra = sorted(k for k in reader.where if k not in reader.used and not IGNORED.match(k))
+    if extra:
+        shown = ", ".join(repr(k) for k in extra[:5])
+        raise CheckpointError(f"{len(extra)} unexpected weight(s) in {path}: {shown}{' ...' if len(extra) > 5 else ''}")
+    layers = DrafterLayerParams(**{field: cast(np.stack(arrays)) for field, arrays in per_field.items()})
+    return DrafterParams(config=cfg, layers=layers, **{field: cast(a) for field, a in top.items()})
+
+
+def save_drafter_hf(params: DrafterParams, path: str | os.PathLike) -> None:
+    """Writes an HF-format DFlash directory (config.json + model.safetensors) that `load_drafter` reads."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = params.config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_config(), f, indent=2)
+    tensors = {}
+    for suffix, _, field, _, to_hf in _top_entries(cfg):
+        tensors[suffix] = to_hf(np.asarray(getattr(params, field)))
+    for li in range(cfg.num_hidden_layers):
+        for suffix, _, field, _, to_hf in _layer_entries(cfg):
+            tensors[f"layers.{li}.{suffix}"] = np.ascontiguousarray(
+                to_hf(np.asarray(getattr(params.layers, field)[li]))
+            )
+    save_file(tensors, os.path.join(path, "model.safetensors"))

@@ -1,0 +1,169 @@
+"""Draft trees built on the device, inside jit, as fixed-size arrays.
+
+Notation: B batch, D draft depth (block_size - 1), V vocab, N = 1 + budget tree
+slots (slot 0 is the root), K = min(budget, V) candidate tokens per depth.
+
+A node is a rank path (r_1, ..., r_d): the r_i-th most likely drafter token at
+depth i. Its score is sum_i logp[i, r_i]. DDTree's tree is the set of the
+`budget` best rank paths under the total order (score descending, then rank path
+lexicographically ascending, shorter prefix first), which is the order the
+reference's best-first heap pops them in. That set is prefix-closed, so it is a
+tree, and nodes listed in that order have parent index < child index.
+
+`build_ddtree` finds it without a heap: the best `budget` paths of depth d extend
+only the best `budget` paths of depth d - 1 (any path that beats a parent gives a
+child that beats its child), so a beam of width `budget` over the depths, then one
+merge across depths, is exact. The beam is kept in lexicographic order, so that
+`lax.top_k`'s lower-index-first tie rule is the lexicographic tie rule.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+MAX_BUDGET = 1024
+
+
+@struct.dataclass
+class DraftTree:
+    """A batch of draft trees; slot 0 of each is the root (the previous round's bonus token).
+
+    Slots past a tree's node count are padding: valid False, token 0, parent 0,
+    visible to nobody but themselves.
+    """
+
+    tokens: jax.Array  # [B, N] int32
+    parents: jax.Array  # [B, N] int32, -1 for the root
+    depths: jax.Array  # [B, N] int32, 0 for the root
+    valid: jax.Array  # [B, N] bool
+    visibility: jax.Array  # [B, N, N] bool: [b, i, j] iff j is an ancestor of i or i itself
+    max_depth: int = struct.field(pytree_node=False)  # static bound on node depth (D)
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[1]
+
+
+def check_budget(budget) -> None:
+    """Raises ValueError unless budget is an int in [1, MAX_BUDGET]."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"tree budget must be an int in [1, {MAX_BUDGET}], got {budget!r}")
+
+
+def _visibility(parents: jax.Array, max_depth: int) -> jax.Array:
+    """Ancestor-or-self matrix [B, N, N] from parent pointers (root parent -1)."""
+    b, n = parents.shape
+    rows = jnp.arange(n)
+    vis = jnp.broadcast_to(jnp.eye(n, dtype=jnp.bool_), (b, n, n))
+    cur = jnp.broadcast_to(rows, (b, n))
+    for _ in range(max_depth):
+        cur = jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1) * (cur >= 0) - (cur < 0)
+        hit = jax.nn.one_hot(jnp.where(cur >= 0, cur, n), n, dtype=jnp.bool_)  # [B, N, N], none for cur < 0
+        vis = vis | hit
+    return vis
+
+
+def _assemble(roots, tokens, parents, depths, valid, max_depth) -> DraftTree:
+    """Prepends the root slot and derives the visibility matrix."""
+    b, n_nodes = tokens.shape
+    tokens = jnp.concatenate([roots[:, None], jnp.where(valid, tokens, 0)], axis=1).astype(jnp.int32)
+    parents = jnp.concatenate([jnp.full((b, 1), -1), jnp.where(valid, parents, 0)], axis=1).astype(jnp.int32)
+    depths = jnp.concatenate([jnp.zeros((b, 1)), jnp.where(valid, depths, 0)], axis=1).astype(jnp.int32)
+    valid = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), valid], axis=1)
+    # Padding slots point at themselves-only rows: their parent chain is cut.
+    chain = jnp.where(valid, parents, -1)
+    vis = _visibility(chain, max_depth) & (valid[:, None, :] | jnp.eye(valid.shape[1], dtype=jnp.bool_))
+    return DraftTree(
+        tokens=tokens, parents=parents, depths=depths, valid=valid, visibility=vis, max_depth=min(max_depth, n_nodes)
+    )
+
+
+def root_only(roots: jax.Array) -> DraftTree:
+    """The tree of plain AR decoding: the root alone. roots: [B]."""
+    b = roots.shape[0]
+    z = jnp.zeros((b, 0), jnp.int32)
+    return _assemble(roots, z, z, z, jnp.zeros((b, 0), jnp.bool_), 0)
+
+
+def build_chain(draft_logits: jax.Array, roots: jax.Array) -> DraftTree:
+    """DFlash's tree: one node per depth, the drafter's argmax. draft_logits [B, D, V] -> N = 1 + D."""
+    b, d, _ = draft_logits.shape
+    tokens = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    parents = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32), (b, d))
+    depths = parents + 1
+    return _assemble(roots, tokens, parents, depths, jnp.ones((b, d), jnp.bool_), d)
+
+
+def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int) -> DraftTree:
+    """DDTree's best tree of `budget` nodes from per-depth drafter logits.
+
+    Args:
+      draft_logits: [B, D, V] drafter logits for depths 1..D (any float dtype).
+      roots: [B] the root tokens.
+      budget: node budget, root not counted (1..MAX_BUDGET).
+
+    Returns:
+      A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
+      `budget` nodes exist only when the vocabulary and depth allow fewer paths;
+      the rest is padding.
+    """
+    check_budget(budget)
+    b, d, v = draft_logits.shape
+    chex.assert_shape(roots, (b,))
+    budget, k = int(budget), min(int(budget), v)
+    with jax.named_scope("build_tree"):
+        logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+        top_lp, top_tok = jax.lax.top_k(logp, k)  # [B, D, K], ranks sorted descending
+
+        # Depth 1: rank order is lexicographic order. Beam slots past K are padding (-inf).
+        pad = budget - k
+        score = jnp.pad(top_lp[:, 0], ((0, 0), (0, pad)), constant_values=-jnp.inf)  # [B, W], W = budget
+        tok = jnp.pad(top_tok[:, 0], ((0, 0), (0, pad)))
+        ranks = jnp.full((b, budget, d), -1, jnp.int32).at[:, :k, 0].set(jnp.arange(k, dtype=jnp.int32))
+        parent_slot = jnp.zeros((b, budget), jnp.int32)
+        levels = [(score, tok, ranks, parent_slot)]
+        for depth in range(1, d):
+            cand = score[:, :, None] + top_lp[:, depth, None, :]  # [B, W, K], flat index = lex order
+            best, flat = jax.lax.top_k(cand.reshape(b, budget * k), budget)
+            flat = jnp.where(jnp.isfinite(best), flat, budget * k)  # padding sorts last
+            flat = jnp.sort(flat, axis=-1)  # back to lexicographic order
+            parent_slot = jnp.minimum(flat // k, budget - 1).astype(jnp.int32)
+            rank = (flat % k).astype(jnp.int32)
+            live = flat < budget * k
+            score = jnp.where(
+                live,
+                jnp.take_along_axis(score, parent_slot, 1) + jnp.take_along_axis(top_lp[:, depth], rank, 1),
+                -jnp.inf,
+            )
+            tok = jnp.take_along_axis(top_tok[:, depth], rank, 1)
+            ranks = (
+                jnp.take_along_axis(ranks, parent_slot[:, :, None], 1).at[:, :, depth].set(jnp.where(live, rank, -1))
+            )
+            levels.append((score, tok, ranks, parent_slot))
+
+        # Merge the depths: order by (score desc, rank path asc). Candidate id = depth * W + slot.
+        all_score = jnp.concatenate([lv[0] for lv in levels], axis=1)  # [B, D*W]
+        all_ranks = jnp.concatenate([lv[2] for lv in levels], axis=1)  # [B, D*W, D]
+        keys = [all_ranks[..., j] for j in reversed(range(d))] + [-all_score]
+        order = jnp.lexsort(keys, axis=-1)[:, :budget]  # [B, budget] candidate ids in pop order
+        node_depth = order // budget  # 0-based level
+        node_score = jnp.take_along_axis(all_score, order, 1)
+        valid = jnp.isfinite(node_score)
+        all_tok = jnp.concatenate([lv[1] for lv in levels], axis=1)
+        all_parent_slot = jnp.concatenate([lv[3] for lv in levels], axis=1)
+        node_tok = jnp.take_along_axis(all_tok, order, 1)
+        # Tree index of every candidate (0 = not chosen), to turn parent slots into parent nodes.
+        index_of = (
+            jnp.zeros((b, d * budget), jnp.int32)
+            .at[jnp.arange(b)[:, None], order]
+            .set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+        )
+        parent_id = jnp.where(
+            node_depth > 0, (node_depth - 1) * budget + jnp.take_along_axis(all_parent_slot, order, 1), -1
+        )
+        parents = jnp.where(parent_id >= 0, jnp.take_along_axis(index_of, jnp.maximum(parent_id, 0), 1), 0)
+        return _assemble(roots, node_tok, parents, node_depth + 1, valid, d)

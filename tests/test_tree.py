@@ -1,0 +1,139 @@
+"""Tree construction vs a brute-force reference, ties included."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddtree_jax import tree
+
+build = jax.jit(tree.build_ddtree, static_argnums=2)
+
+
+def reference_tree(logp: np.ndarray, budget: int):
+    """All rank paths sorted by (score desc, rank path asc); the first `budget`.
+
+    logp [D, V] float32. Ranks follow a stable descending sort (lower token id first
+    on ties), and scores are summed depth by depth in float32, as the builder does.
+    """
+    d, v = logp.shape
+    k = min(budget, v)
+    order = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    paths = []
+    for depth in range(1, d + 1):
+        for ranks in itertools.product(range(k), repeat=depth):
+            score = np.float32(0)
+            for i, r in enumerate(ranks):
+                score = np.float32(score + logp[i, order[i, r]]) if i else logp[0, order[0, r]]
+            paths.append((-float(score), ranks))
+    paths.sort()
+    chosen = [p for _, p in paths[:budget]]
+    index = {p: i + 1 for i, p in enumerate(chosen)}
+    tokens = [int(order[len(p) - 1, p[-1]]) for p in chosen]
+    parents = [index.get(p[:-1], 0) for p in chosen]
+    depths = [len(p) for p in chosen]
+    return tokens, parents, depths
+
+
+def check_against_reference(logits: np.ndarray, budget: int):
+    b, d, v = logits.shape
+    roots = jnp.arange(b, dtype=jnp.int32) + 3
+    t = build(jnp.asarray(logits), roots, budget)
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    n_paths = sum(min(budget, v) ** i for i in range(1, d + 1))
+    for row in range(b):
+        tokens, parents, depths = reference_tree(logp[row], budget)
+        n = len(tokens)
+        assert n == min(budget, n_paths)
+        assert np.asarray(t.valid[row]).tolist() == [True] * (n + 1) + [False] * (budget - n)
+        assert int(t.tokens[row, 0]) == row + 3 and int(t.parents[row, 0]) == -1
+        assert np.asarray(t.tokens[row, 1 : n + 1]).tolist() == tokens
+        assert np.asarray(t.parents[row, 1 : n + 1]).tolist() == parents
+        assert np.asarray(t.depths[row, 1 : n + 1]).tolist() == depths
+        check_visibility(np.asarray(t.parents[row]), np.asarray(t.valid[row]), np.asarray(t.visibility[row]))
+
+
+def check_visibility(parents, valid, vis):
+    n = len(parents)
+    for i in range(n):
+        want = np.zeros(n, bool)
+        want[i] = True
+        if valid[i]:
+            j = parents[i]
+            while j >= 0:
+                assert j < i or i == 0
+                want[j] = True
+                j = parents[j]
+        assert vis[i].tolist() == want.tolist(), i
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    d=st.integers(1, 4),
+    v=st.integers(2, 6),
+    budget=st.sampled_from([1, 2, 3, 5, 8, 15, 30]),
+    levels=st.integers(1, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_reference_with_ties(d, v, budget, levels, seed):
+    """Integer logits from a few levels make many exact ties within and across depths."""
+    logits = np.random.default_rng(seed).integers(0, levels, size=(2, d, v)).astype(np.float32)
+    check_against_reference(logits, budget)
+
+
+@pytest.mark.parametrize(("d", "v", "budget"), [(3, 7, 16), (4, 5, 64), (2, 300, 40), (5, 3, 100)])
+def test_matches_reference_random(d, v, budget):
+    logits = np.random.default_rng(d * v + budget).normal(size=(3, d, v)).astype(np.float32) * 2
+    check_against_reference(logits, budget)
+
+
+def test_peaked_drafter_gives_zero_logprob_ties():
+    """log p = 0 exactly: a child ties its parent and must still come after it."""
+    logits = np.full((1, 3, 4), -200.0, np.float32)
+    logits[0, :, 1] = 0.0
+    check_against_reference(logits, 5)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 257, 1024])
+def test_large_budgets_are_well_formed(budget):
+    b, d, v = 2, 15, 4096
+    logits = jax.random.normal(jax.random.PRNGKey(budget), (b, d, v)) * 3
+    t = build(logits, jnp.zeros((b,), jnp.int32), budget)
+    assert t.tokens.shape == (b, budget + 1)
+    parents, depths, valid = (np.asarray(x) for x in (t.parents, t.depths, t.valid))
+    assert valid.all()
+    idx = np.arange(1, budget + 1)
+    assert (parents[:, 1:] < idx).all()
+    assert (depths[:, 1:] == np.take_along_axis(depths, parents[:, 1:], 1) + 1).all()
+    assert depths.max() <= d
+    # Pop order: scores non-increasing.
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for row in range(b):
+        score = np.zeros(budget + 1)
+        for i in range(1, budget + 1):
+            score[i] = score[parents[row, i]] + logp[row, depths[row, i] - 1, t.tokens[row, i]]
+        assert (np.diff(score[1:]) <= 1e-4).all()
+    # Siblings carry distinct tokens (the acceptance walk relies on it).
+    for row in range(b):
+        pairs = set(zip(parents[row, 1:].tolist(), np.asarray(t.tokens[row, 1:]).tolist(), strict=True))
+        assert len(pairs) == budget
+
+
+def test_chain_and_root_only():
+    logits = jnp.asarray([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]]])
+    t = tree.build_chain(logits, jnp.asarray([9]))
+    assert np.asarray(t.tokens).tolist() == [[9, 1, 0]]
+    assert np.asarray(t.parents).tolist() == [[-1, 0, 1]]
+    assert np.asarray(t.visibility[0]).astype(int).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    r = tree.root_only(jnp.asarray([4, 5]))
+    assert r.tokens.shape == (2, 1) and np.asarray(r.visibility).all()
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1025, 2.5, True])
+def test_bad_budget(budget):
+    with pytest.raises(ValueError, match="budget"):
+        tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), budget)
