@@ -1,0 +1,121 @@
+"""Compare AR, DFlash and DDTree decoding on the same prompts: tau, tokens/s, rounds/s.
+
+    python experiments/compare_methods.py --batch-sizes 1 8 --budgets 16 64 --out compare.json
+
+Without --target / --drafter it uses random `SMALL` weights and a random DFlash drafter
+(acceptance is then near 1: the figures measure round cost, not speedup). Round time
+is (whole generate call - prefill-only call) / loop iterations, where the loop runs
+until the slowest row is done; the ratio column is DDTree round time / AR step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import checkpoint, config, drafter, model
+from ddtree_jax.generate import generate
+
+
+def timed(target, draft, prompts, max_new_tokens, repeats, **kw):
+    """Median wall time of `generate` after one compile run, and its last result."""
+    times, out = [], None
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        out = generate(target, draft, prompts, max_new_tokens=max_new_tokens, **kw)
+        out.tokens.block_until_ready()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=None, help="HF target directory (default: random SMALL)")
+    ap.add_argument("--drafter", default=None, help="HF DFlash directory (default: random drafter)")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    dtype = jnp.dtype(args.dtype)
+    if args.target:
+        target = checkpoint.load_target(args.target, dtype=dtype)
+    else:
+        cfg = dataclasses.replace(config.PRESETS[args.preset], eos_token_id=None)
+        target = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0), std=0.02), dtype)
+    if args.drafter:
+        draft = drafter.load_drafter(args.drafter, dtype=dtype)
+    else:
+        dcfg = drafter.drafter_config_for(
+            target.config, num_hidden_layers=args.draft_layers, block_size=args.block_size
+        )
+        draft = jax.tree.map(lambda a: a.astype(dtype), drafter.init_params(dcfg, jax.random.PRNGKey(1)))
+    dev = jax.devices()[0].device_kind
+    print(f"device: {dev}; target {target.config.num_params() / 1e6:.2f}M params; dtype {args.dtype}")
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batch_sizes:
+        prompts = rng.integers(3, target.config.vocab_size, size=(b, args.prompt_len)).tolist()
+        runs = [("ar", None)] if "ar" in args.methods else []
+        runs += [("dflash", None)] if "dflash" in args.methods else []
+        runs += [("ddtree", k) for k in args.budgets] if "ddtree" in args.methods else []
+        ar_step = None
+        for method, budget in runs:
+            kw = dict(method=method, tree_budget=budget, stop_token_ids=())
+            d = None if method == "ar" else draft
+            t_pre, _ = timed(target, d, prompts, 1, args.repeats, **kw)
+            t, res = timed(target, d, prompts, args.max_new_tokens, args.repeats, **kw)
+            iters = int(np.asarray(res.rounds).max())
+            n_tok = int(np.asarray(res.lengths).sum())
+            round_ms = (t - t_pre) / max(iters, 1) * 1e3
+            if method == "ar":
+                ar_step = round_ms
+            row = {
+                "batch": b,
+                "method": method,
+                "budget": budget,
+                "tau": res.tau,
+                "tokens_per_s": n_tok / t,
+                "rounds_per_s": iters / (t - t_pre),
+                "round_ms": round_ms,
+                "round_over_ar_step": round_ms / ar_step if ar_step else None,
+                "wall_s": t,
+                "prefill_s": t_pre,
+            }
+            rows.append(row)
+            print(json.dumps(row))
+    print("\n| batch | method | budget | tau | tokens/s | rounds/s | round ms | round / AR step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ratio = f"{r['round_over_ar_step']:.2f}" if r["round_over_ar_step"] else "-"
+        print(
+            f"| {r['batch']} | {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['rounds_per_s']:.0f} | {r['round_ms']:.3f} | {ratio} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": dev, "dtype": args.dtype, "args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
