@@ -454,24 +454,50 @@ def _attention(
     q: jax.Array,  # [B, T, Nq, hd]
     k_ctx: jax.Array,  # [B, S, Nkv, hd]
     v_ctx: jax.Array,
-    ctx_len: jax.Array,  # [B]
+    ctx_visible: jax.Array,  # [B, T or 1, S] bool
     k_blk: jax.Array,  # [B, T, Nkv, hd]
     v_blk: jax.Array,
+    blk_visible: jax.Array | None = None,  # [B, T, T] bool; None = every block token
 ) -> jax.Array:
-    """Block queries over committed context (slots < ctx_len) plus every block token. -> [B, T, Nq, hd]."""
+    """Block queries over visible context keys plus visible block keys. -> [B, T, Nq, hd].
+
+    Every query must see at least its own block token (no row is all masked).
+    """
     b, t, nq, hd = q.shape
     nkv, s = k_blk.shape[2], k_ctx.shape[1]
     # HF repeat_kv: kv head j serves the contiguous query heads j*G .. j*G + G - 1.
     qg = q.reshape(b, t, nkv, nq // nkv, hd)
     s_ctx = einsum("btkgd,bskd->bkgts", qg, k_ctx)
-    visible = jnp.arange(s)[None, :] < ctx_len[:, None]  # [B, S]
-    s_ctx = jnp.where(visible[:, None, None, None, :], s_ctx, -jnp.inf)
+    s_ctx = jnp.where(ctx_visible[:, None, None], s_ctx, -jnp.inf)
     s_blk = einsum("btkgd,bukd->bkgtu", qg, k_blk)
-    # Block keys are always visible, so no row is all -inf.
+    if blk_visible is not None:
+        s_blk = jnp.where(blk_visible[:, None, None], s_blk, -jnp.inf)
     p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1)
     o = einsum("bkgts,bskd->btkgd", p[..., :s].astype(v_ctx.dtype), v_ctx)
     o = o + einsum("bkgtu,bukd->btkgd", p[..., s:].astype(v_blk.dtype), v_blk)
     return o.reshape(b, t, nq, hd).astype(q.dtype)
+
+
+def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, blk_visible, slots):
+    """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis."""
+    cfg = params.config
+    eps = cfg.rms_norm_eps
+    x = embed[x_tokens].astype(params.dtype)
+    cos, sin = _rope(cfg, positions)
+
+    def body(x, xs):
+        lp, k_ctx, v_ctx = xs
+        h = rms_norm(x, lp.input_norm, eps)
+        q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
+        k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
+        o = _attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk, blk_visible)
+        x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
+        x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv))
+    hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
+    return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 
 
 def extend_context(
@@ -546,24 +572,60 @@ def draft(
         raise ValueError(f"cache batch {cache.batch} != block batch {b}")
     if t < 2:
         raise ValueError(f"a block needs the root and >= 1 mask slot, got {t} tokens")
-    eps = cfg.rms_norm_eps
     with jax.named_scope("draft"):
-        x = embed[block_tokens].astype(params.dtype)
-        cos, sin = _rope(cfg, block_positions)
+        ctx_visible = (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None, :]
+        slots = jnp.broadcast_to(jnp.arange(1, t), (b, t - 1))
+        return _blocks(
+            params, embed, unembed, block_tokens, block_positions, (cache.k, cache.v), ctx_visible, None, slots
+        )
 
-        def body(x, xs):
-            lp, k_ctx, v_ctx = xs
-            h = rms_norm(x, lp.input_norm, eps)
-            q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
-            k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
-            o = _attention(q, k_ctx, v_ctx, cache.lengths, k_blk, v_blk)
-            x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
-            x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
-            return x, None
 
-        x, _ = jax.lax.scan(body, x, (params.layers, cache.k, cache.v))
-        hidden = rms_norm(x[:, 1:], params.norm, eps)
-        return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
+def train_logits(
+    params: DrafterParams,
+    embed: jax.Array,  # [V, H]
+    unembed: jax.Array,  # [H, V]
+    features: jax.Array,  # [B, T, n_taps * H] target taps of a whole sequence
+    tokens: jax.Array,  # [B, T] int32 the sequence
+    anchors: jax.Array,  # [B, A] int32 anchor positions, each <= T - block_size
+) -> jax.Array:  # [B, A, bs - 1, V] float32
+    """Training forward (the DFlash recipe): one block per anchor, all blocks in one pass.
+
+    Block a is [tokens[anchor], MASK x (bs - 1)] at positions anchor .. anchor + bs - 1;
+    it sees the target context strictly before its anchor, every token of its own
+    block (bidirectional), and nothing of the other blocks. Its logits at slot k
+    predict tokens[anchor + k].
+    """
+    cfg = params.config
+    b, t = tokens.shape
+    a = anchors.shape[1]
+    bs = cfg.block_size
+    chex.assert_shape(features, (b, t, cfg.n_taps * cfg.hidden_size))
+    with jax.named_scope("draft_train"):
+        ctx = rms_norm(linear(features.astype(params.dtype), params.fc), params.hidden_norm, cfg.rms_norm_eps)
+        ctx_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cos, sin = _rope(cfg, ctx_pos)
+        layer_kv = jax.lax.map(lambda lp: _keys_values(cfg, lp, ctx, cos, sin), params.layers)
+        blk = (
+            jnp.full((b, a, bs), cfg.mask_token_id, jnp.int32).at[:, :, 0].set(jnp.take_along_axis(tokens, anchors, 1))
+        )
+        positions = (anchors[:, :, None] + jnp.arange(bs, dtype=jnp.int32)).reshape(b, a * bs)
+        owner = jnp.repeat(jnp.arange(a), bs)  # block of each query / block key
+        q_anchor = jnp.repeat(anchors, bs, axis=1)  # [B, A*bs]
+        ctx_visible = jnp.arange(t)[None, None, :] < q_anchor[:, :, None]
+        blk_visible = jnp.broadcast_to(owner[:, None] == owner[None, :], (b, a * bs, a * bs))
+        slots = (jnp.arange(a)[:, None] * bs + jnp.arange(1, bs)[None, :]).reshape(-1)
+        out = _blocks(
+            params,
+            embed,
+            unembed,
+            blk.reshape(b, a * bs),
+            positions,
+            layer_kv,
+            ctx_visible,
+            blk_visible,
+            jnp.broadcast_to(slots, (b, a * (bs - 1))),
+        )
+        return out.reshape(b, a, bs - 1, -1)
 
 
 # ----------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class ForwardOutput:
     hidden: jax.Array  # [B, T, H] after the final norm
     kv: LatentKV  # new tokens' latent entries, [L, B, T, *]
     taps: jax.Array | None  # [len(tap_layers), B, T, H] outputs of the tapped layers
+    expert_counts: jax.Array | None = None  # [Lm, E] tokens routed to each expert (when asked)
 
 
 # ----------------------------------------------------------------------------------
@@ -203,8 +204,8 @@ def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) -> jax.Array:
-    """Routed experts + shared experts. x [B, T, H] -> [B, T, H]."""
+def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) -> tuple[jax.Array, jax.Array]:
+    """Routed experts + shared experts. x [B, T, H] -> ([B, T, H], tokens per expert [E])."""
     with jax.named_scope("moe"):
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
@@ -212,7 +213,8 @@ def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) 
         y = moe_experts(flat, idx, w, p.gate, p.up, p.down, implementation=implementation)
         if p.shared is not None:
             y = y + swiglu(flat, p.shared.gate, p.shared.up, p.shared.down)
-        return y.reshape(b, t, h)
+        counts = jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32), axis=(0, 1))
+        return y.reshape(b, t, h), counts
 
 
 def mla(
@@ -270,7 +272,10 @@ def _run_layers(
     keep_hidden: bool,
     implementation: str,
 ):
-    """Scans one stack of same-kind layers. Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None)."""
+    """Scans one stack of same-kind layers.
+
+    Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
+    """
     is_moe = isinstance(layers.mlp, MoEParams)
 
     def body(x, xs):
@@ -289,14 +294,16 @@ def _run_layers(
         )
         x = x + attn_out
         hx = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        counts = None
         if is_moe:
-            x = x + moe_ffn(cfg, lp.mlp, hx, implementation)
+            y, counts = moe_ffn(cfg, lp.mlp, hx, implementation)
+            x = x + y
         else:
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
-        return x, (c_new, k_new, x if keep_hidden else None)
+        return x, (c_new, k_new, x if keep_hidden else None, counts)
 
-    x, (c_kv, k_pe, hidden) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe))
-    return x, c_kv, k_pe, hidden
+    x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe))
+    return x, c_kv, k_pe, hidden, counts
 
 
 # ----------------------------------------------------------------------------------
@@ -351,7 +358,7 @@ def forward(
     for layers, sl in ((params.dense_layers, slice(0, ld)), (params.moe_layers, slice(ld, None))):
         if layers is None:
             continue
-        x, c_kv, k_pe, hidden = _run_layers(
+        x, c_kv, k_pe, hidden, counts = _run_layers(
             cfg,
             layers,
             x,
@@ -371,7 +378,9 @@ def forward(
     taps = None
     if keep_hidden:
         taps = jnp.concatenate(h_parts)[jnp.asarray(tap_layers)]
-    return ForwardOutput(hidden=rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv=kv, taps=taps)
+    return ForwardOutput(
+        hidden=rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv=kv, taps=taps, expert_counts=counts
+    )
 
 
 def logits(params: TargetParams, hidden: jax.Array) -> jax.Array:

@@ -417,3 +417,26 @@ def test_drafter_config_for_defaults():
     assert (cfg.num_hidden_layers, cfg.block_size, cfg.num_target_layers) == (1, 16, 3)
     assert cfg.target_layer_ids == (1,)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 1, 16)
+
+
+def test_train_logits_equal_inference_drafts_per_anchor(params):
+    """Each anchored block of the training forward == `draft` with the context before its anchor."""
+    rng = np.random.default_rng(3)
+    b, t, h, v = 2, 20, CFG.hidden_size, CFG.vocab_size
+    tokens = rng.integers(0, v - 1, size=(b, t)).astype(np.int32)
+    features = rng.normal(size=(b, t, CFG.n_taps * h)).astype(np.float32)
+    embed = rng.normal(size=(v, h)).astype(np.float32)
+    unembed = (0.15 * rng.normal(size=(h, v))).astype(np.float32)
+    anchors = np.array([[0, 7, 14], [3, 3, 10]], np.int32)  # overlapping blocks and a repeated anchor
+    got = np.asarray(jax.jit(drafter.train_logits)(params, embed, unembed, features, tokens, anchors))
+    assert got.shape == (b, 3, CFG.block_size - 1, v)
+    for row in range(b):
+        for j, p in enumerate(anchors[row]):
+            cache = DrafterCache.init(CFG, 1, t)
+            idx = np.arange(t, dtype=np.int32)[None]
+            cache = extend(params, cache, features[row : row + 1], idx, idx < p)
+            block = np.full((1, CFG.block_size), CFG.mask_token_id, np.int32)
+            block[0, 0] = tokens[row, p]
+            pos = (p + np.arange(CFG.block_size, dtype=np.int32))[None]
+            want = np.asarray(run_draft(params, cache, embed, unembed, block, pos))[0]
+            np.testing.assert_allclose(got[row, j], want, atol=2e-4, rtol=0)

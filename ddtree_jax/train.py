@@ -1,0 +1,240 @@
+"""Training steps for the target (next-token LM) and the DFlash drafter (self-distillation).
+
+Notation: B batch, T sequence length, A anchors per sequence, bs block size,
+V vocab, E experts, Lm MoE layers.
+
+The target's router bias (e_score_correction_bias) gets no gradient: it is moved
+after every step towards balanced expert load, DeepSeek-V3's auxiliary-loss-free
+rule b_e -= u * sign(load_e - mean load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import serialization, struct
+
+from ddtree_jax import drafter as dflash
+from ddtree_jax.cache import KVCache
+from ddtree_jax.model import TargetParams, cast_params, causal_mask, forward, logits
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to `final_fraction` of the peak."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    total_steps: int = 2000
+    final_fraction: float = 0.1
+    weight_decay: float = 0.1
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a training run carries from step to step (orbax-saveable)."""
+
+    step: jax.Array
+    params: object
+    opt_state: object
+
+
+def _is_matrix(params):
+    return jax.tree.map(lambda a: a.ndim >= 2, params)
+
+
+def make_optimizer(cfg: OptimConfig, params, frozen=None) -> optax.GradientTransformation:
+    """AdamW (decay on matrices only); leaves marked True in `frozen` are never updated."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        cfg.learning_rate,
+        cfg.warmup_steps,
+        max(cfg.total_steps, cfg.warmup_steps + 1),
+        cfg.learning_rate * cfg.final_fraction,
+    )
+    adamw = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_is_matrix(params)),
+    )
+    if frozen is None:
+        return adamw
+    labels = jax.tree.map(lambda f: "frozen" if f else "train", frozen)
+    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+# ----------------------------------------------------------------------------------
+# Target
+
+
+def router_bias_mask(params: TargetParams):
+    """True at the router-bias leaf (not trained by gradient), False elsewhere."""
+    mask = jax.tree.map(lambda _: False, params)
+    if params.moe_layers is None:
+        return mask
+    mlp = mask.moe_layers.mlp.replace(router_bias=True)
+    return mask.replace(moe_layers=mask.moe_layers.replace(mlp=mlp))
+
+
+def target_loss(params: TargetParams, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Mean next-token NLL of tokens [B, T + 1] (positions 0..T-1 predict 1..T), and expert counts [Lm, E]."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    b, t = inputs.shape
+    cache = KVCache.init(params.config, b, 1, params.dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = forward(params, inputs, positions, cache, causal_mask(jnp.full((b,), t, jnp.int32), t))
+    logp = jax.nn.log_softmax(logits(params, out.hidden), axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return jnp.mean(nll), out.expert_counts
+
+
+def target_train_step(
+    state: TrainState,
+    tokens: jax.Array,
+    optimizer: optax.GradientTransformation,
+    bias_rate: float = 1e-3,
+    compute_dtype=None,
+) -> tuple[TrainState, dict]:
+    """One optimizer step on tokens [B, T + 1], then the router-bias balance update.
+
+    With `compute_dtype` (e.g. bfloat16) the forward runs on a cast copy of the
+    float32 master weights (router kept float32); gradients flow back to the master.
+    """
+
+    def loss_fn(params, tokens):
+        if compute_dtype is not None:
+            params = cast_params(params, compute_dtype)
+        return target_loss(params, tokens)
+
+    (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, tokens)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    if counts is not None:
+        load = counts / jnp.sum(counts, axis=-1, keepdims=True)  # [Lm, E] fraction of routed pairs
+        mlp = params.moe_layers.mlp
+        bias = mlp.router_bias - bias_rate * jnp.sign(load - jnp.mean(load, axis=-1, keepdims=True))
+        params = params.replace(moe_layers=params.moe_layers.replace(mlp=mlp.replace(router_bias=bias)))
+        metrics["max_load"] = jnp.max(load) * load.shape[-1]  # 1.0 = perfectly balanced
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+# ----------------------------------------------------------------------------------
+# Drafter
+
+
+def block_weights(block_size: int, gamma: float) -> jax.Array:
+    """DFlash's loss weights exp(-(k - 1) / gamma) for block slots k = 1 .. bs - 1."""
+    k = jnp.arange(1, block_size, dtype=jnp.float32)
+    return jnp.exp(-(k - 1) / gamma)
+
+
+def target_features(target: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...]) -> jax.Array:
+    """The frozen target's tapped features [B, T, n_taps * H] for whole sequences [B, T]."""
+    b, t = tokens.shape
+    cache = KVCache.init(target.config, b, 1, target.dtype)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = forward(target, tokens, positions, cache, causal_mask(jnp.full((b,), t, jnp.int32), t), tap_layers=tap_layers)
+    return jax.lax.stop_gradient(dflash.tap_features(out.taps))
+
+
+def drafter_loss(
+    params: dflash.DrafterParams,
+    target: TargetParams,
+    features: jax.Array,  # [B, T, F]
+    tokens: jax.Array,  # [B, T]
+    anchors: jax.Array,  # [B, A]
+    gamma: float,
+) -> tuple[jax.Array, dict]:
+    """Weighted cross-entropy of every anchored block against the continuation."""
+    bs = params.config.block_size
+    lg = dflash.train_logits(params, target.embed, target.unembed, features, tokens, anchors)  # [B, A, bs-1, V]
+    idx = anchors[:, :, None] + jnp.arange(1, bs)[None, None, :]
+    labels = jnp.take_along_axis(tokens[:, None, :], idx, axis=2)  # [B, A, bs-1]
+    logp = jax.nn.log_softmax(lg, axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    w = block_weights(bs, gamma)
+    loss = jnp.sum(nll * w) / (nll.shape[0] * nll.shape[1] * jnp.sum(w))
+    hit = (jnp.argmax(lg, axis=-1) == labels).astype(jnp.float32)
+    # Expected accepted drafts of a DFlash chain: the run of leading correct slots.
+    run = jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1)
+    return loss, {"top1": jnp.mean(hit[..., 0]), "chain_accept": jnp.mean(run) + 1.0}
+
+
+def drafter_train_step(
+    state: TrainState,
+    target: TargetParams,
+    tokens: jax.Array,
+    anchors: jax.Array,
+    optimizer: optax.GradientTransformation,
+    gamma: float,
+) -> tuple[TrainState, dict]:
+    """One drafter step: target features (frozen), weighted block CE, AdamW."""
+    features = target_features(target, tokens, state.params.config.target_layer_ids)
+    (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
+        state.params, target, features, tokens, anchors, gamma
+    )
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), {"loss": loss, **aux}
+
+
+def steps_that_fit(run_step, budget_s: float, probe: int = 12) -> tuple[int, float]:
+    """How many calls of `run_step()` fit in `budget_s` seconds, from timing `probe` calls.
+
+    The first call (compilation) is not counted. Returns (steps, seconds per step).
+    """
+    run_step()
+    times = []
+    for _ in range(probe):
+        t0 = time.perf_counter()
+        run_step()
+        times.append(time.perf_counter() - t0)
+    per_step = float(np.median(times))
+    return max(1, int(budget_s / per_step)), per_step
+
+
+def sample_anchors(rng: np.random.Generator, batch: int, anchors: int, low: int, high: int) -> np.ndarray:
+    """[batch, anchors] int32 anchor positions drawn uniformly from [low, high]."""
+    if high < low:
+        raise ValueError(f"no room for anchors: low={low} > high={high}")
+    return rng.integers(low, high + 1, size=(batch, anchors)).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------
+# Resumable checkpoints
+
+
+def checkpoint_manager(path: str, max_to_keep: int = 2):
+    """An orbax CheckpointManager for TrainStates under `path`."""
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+
+def save_state(manager, state: TrainState) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(int(state.step), args=ocp.args.StandardSave(serialization.to_state_dict(state)))
+
+
+def restore_latest(manager, template: TrainState) -> TrainState | None:
+    """The newest saved state (shaped like `template`), or None if there is none."""
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    if step is None:
+        return None
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), serialization.to_state_dict(template))
+    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    return serialization.from_state_dict(template, restored)

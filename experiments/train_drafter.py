@@ -1,0 +1,207 @@
+"""Train a DFlash drafter against a trained target by self-distillation.
+
+    python experiments/train_drafter.py --data data --target out/target --out out/drafter_run --steps 3000
+
+1. Prompts: random windows of the train split; the target's own greedy
+   continuations of them (batched `generate`) are the training data.
+2. DFlash recipe: random anchors in the response, blocks of `block_size`
+   ([anchor, MASK ...], bidirectional inside, context strictly before the anchor),
+   cross-entropy weighted exp(-(k-1)/gamma).
+3. Every --eval-every steps: tau of DFlash and DDTree decoding on validation prompts.
+Writes OUT/drafter (HF format, bf16), OUT/drafter_loss.png, OUT/drafter_metrics.json,
+OUT/distill.npy; resumable orbax states under OUT/ckpt_drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from ddtree_jax import checkpoint, drafter, train
+from ddtree_jax.data import Tokenizer, prompt_windows
+from ddtree_jax.generate import generate
+
+
+def distill(target, prompts: np.ndarray, gen_len: int, batch: int) -> np.ndarray:
+    """[N, P + gen_len] prompt + the target's greedy continuation (no stop token)."""
+    out = []
+    for i in tqdm(range(0, len(prompts), batch), desc="self-distillation", mininterval=5):
+        chunk = prompts[i : i + batch]
+        res = generate(target, chunk, max_new_tokens=gen_len, stop_token_ids=())
+        out.append(np.concatenate([chunk, np.asarray(res.tokens)], axis=1))
+    return np.concatenate(out).astype(np.int32)
+
+
+def plot(history, evals, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot([h["step"] for h in history], [h["loss"] for h in history], label="weighted block CE")
+    a.set_xlabel("step")
+    a.set_ylabel("loss")
+    a.grid(alpha=0.3)
+    a.legend()
+    for key, label in (("tau_dflash", "DFlash chain"), ("tau_ddtree", "DDTree")):
+        b.plot([e["step"] for e in evals], [e[key] for e in evals], "o-", label=label)
+    b.set_xlabel("step")
+    b.set_ylabel("tau (validation prompts, T=0)")
+    b.grid(alpha=0.3)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default="data")
+    ap.add_argument("--target", required=True, help="HF target directory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", type=int, default=4096)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=192)
+    ap.add_argument("--gen-batch", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--anchors", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--taps", type=int, nargs="+", default=[1, 3, 5])
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--eval-budget", type=int, default=32)
+    ap.add_argument("--max-minutes", type=float, default=1e9)
+    ap.add_argument(
+        "--fit-minutes",
+        type=float,
+        default=None,
+        help="time a few probe steps, then set --steps so that training takes about this long",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    tok = Tokenizer.load(os.path.join(args.data, "tokenizer.json"))
+    target = checkpoint.load_target(args.target, dtype=jnp.bfloat16)
+    if target.config.vocab_size != tok.vocab_size:
+        sys.exit(f"error: target vocab {target.config.vocab_size} != tokenizer vocab {tok.vocab_size}")
+    dcfg = drafter.drafter_config_for(
+        target.config,
+        num_hidden_layers=args.layers,
+        block_size=args.block_size,
+        mask_token_id=tok.mask_id,
+        target_layer_ids=tuple(args.taps),
+        intermediate_size=args.intermediate,
+    )
+    train_stream = np.load(os.path.join(args.data, "train.npy"), mmap_mode="r")
+    val_stream = np.load(os.path.join(args.data, "validation.npy"))
+
+    distill_path = os.path.join(args.out, "distill.npy")
+    t0 = time.time()
+    if os.path.exists(distill_path):
+        seqs = np.load(distill_path)
+    else:
+        prompts = prompt_windows(train_stream, args.prompts, args.prompt_len, seed=args.seed)
+        seqs = distill(target, prompts, args.gen_len, args.gen_batch)
+        np.save(distill_path, seqs)
+    distill_time = time.time() - t0
+    print(f"distillation data {seqs.shape} in {distill_time:.0f}s")
+    eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.prompt_len, seed=1)
+
+    params = drafter.init_params(dcfg, jax.random.PRNGKey(args.seed))
+    n, t = seqs.shape
+    hi = t - args.block_size
+    if args.fit_minutes:
+        probe_opt = train.make_optimizer(train.OptimConfig(total_steps=10**6), params)
+        probe = jax.jit(functools.partial(train.drafter_train_step, optimizer=probe_opt, gamma=args.gamma))
+        probe_state = train.init_state(params, probe_opt)
+        rng = np.random.default_rng(0)
+        toks = jnp.asarray(seqs[rng.integers(0, n, size=args.batch)])
+        anchors = jnp.asarray(train.sample_anchors(rng, args.batch, args.anchors, args.prompt_len, hi))
+        args.steps, per_step = train.steps_that_fit(
+            lambda: jax.block_until_ready(probe(probe_state, target, toks, anchors)), args.fit_minutes * 60
+        )
+        print(f"probe: {per_step * 1e3:.1f} ms/step -> {args.steps} steps in {args.fit_minutes} min")
+    opt = train.make_optimizer(
+        train.OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps), params
+    )
+    state = train.init_state(params, opt)
+    manager = train.checkpoint_manager(os.path.abspath(os.path.join(args.out, "ckpt_drafter")))
+    restored = train.restore_latest(manager, state)
+    if restored is not None:
+        state = restored
+        print(f"resumed at step {int(state.step)}")
+    step_fn = jax.jit(functools.partial(train.drafter_train_step, optimizer=opt, gamma=args.gamma), donate_argnums=0)
+
+    def evaluate(params):
+        d = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+        kw = dict(max_new_tokens=96, stop_token_ids=())
+        chain = generate(target, d, eval_prompts, method="dflash", **kw)
+        tree = generate(target, d, eval_prompts, method="ddtree", tree_budget=args.eval_budget, **kw)
+        return chain.tau, tree.tau
+
+    history, evals = [], []
+    start = int(state.step)
+    t_train = time.time()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, mininterval=5)
+    for step in bar:
+        rng = np.random.default_rng([args.seed, step])
+        rows = rng.integers(0, n, size=args.batch)
+        anchors = train.sample_anchors(rng, args.batch, args.anchors, args.prompt_len, hi)
+        state, metrics = step_fn(state, target, jnp.asarray(seqs[rows]), jnp.asarray(anchors))
+        if (step + 1) % 25 == 0:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            history.append({"step": step + 1, **m})
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['chain_accept']:.2f}")
+        last = step + 1 == args.steps or (time.time() - t_start) / 60 > args.max_minutes
+        if (step + 1) % args.eval_every == 0 or last:
+            tau_chain, tau_tree = evaluate(state.params)
+            evals.append(
+                {"step": step + 1, "tau_dflash": tau_chain, "tau_ddtree": tau_tree, "time_s": time.time() - t_train}
+            )
+            print(json.dumps(evals[-1]), flush=True)
+            train.save_state(manager, state)
+        if last:
+            break
+    manager.wait_until_finished()
+    train_time = time.time() - t_train
+    final = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state.params)
+    drafter.save_drafter_hf(final, os.path.join(args.out, "drafter"))
+    plot(history, evals, os.path.join(args.out, "drafter_loss.png"))
+    summary = {
+        "config": dcfg.to_hf_config(),
+        "args": vars(args),
+        "params": int(sum(a.size for a in jax.tree.leaves(state.params))),
+        "steps_done": int(state.step),
+        "distill_shape": list(seqs.shape),
+        "distill_time_s": distill_time,
+        "train_time_s": train_time,
+        "device": jax.devices()[0].device_kind,
+        "evals": evals,
+        "history": history,
+    }
+    with open(os.path.join(args.out, "drafter_metrics.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"done: {int(state.step)} steps in {train_time:.0f}s; last eval {evals[-1] if evals else None}")
+
+
+if __name__ == "__main__":
+    main()

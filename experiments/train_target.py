@@ -1,0 +1,166 @@
+"""Train the SMALL target on the standard-library token stream (experiments/prepare_data.py).
+
+    python experiments/train_target.py --data data --out out/target_run --steps 2000 --max-minutes 8
+
+Writes OUT/target (HF format, bf16, sharded < 16 MB per file), OUT/target_loss.png,
+OUT/target_metrics.json; resumable orbax states under OUT/ckpt_target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from ddtree_jax import checkpoint, config, model, train
+from ddtree_jax.data import Tokenizer
+
+
+def windows(stream: np.ndarray, rng: np.random.Generator, n: int, length: int) -> np.ndarray:
+    starts = rng.integers(0, len(stream) - length, size=n)
+    return np.stack([stream[s : s + length] for s in starts]).astype(np.int32)
+
+
+def plot(history: list[dict], evals: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train loss")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("next-token NLL (nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default="data")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--max-minutes", type=float, default=1e9)
+    ap.add_argument(
+        "--fit-minutes",
+        type=float,
+        default=None,
+        help="time a few probe steps, then set --steps so that training takes about this long",
+    )
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--save-every", type=int, default=500)
+    ap.add_argument("--compute-dtype", default="bfloat16")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    tok = Tokenizer.load(os.path.join(args.data, "tokenizer.json"))
+    cfg = dataclasses.replace(
+        config.PRESETS[args.preset], vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id
+    )
+    train_stream = np.load(os.path.join(args.data, "train.npy"), mmap_mode="r")
+    val_stream = np.load(os.path.join(args.data, "validation.npy"))
+    val_batches = windows(val_stream, np.random.default_rng(123), 64, args.seq + 1).reshape(4, 16, -1)
+
+    params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
+    compute = jnp.dtype(args.compute_dtype) if args.compute_dtype != "float32" else None
+    frozen = train.router_bias_mask(params)
+    if args.fit_minutes:
+        probe_opt = train.make_optimizer(train.OptimConfig(total_steps=10**6), params, frozen=frozen)
+        probe = jax.jit(functools.partial(train.target_train_step, optimizer=probe_opt, compute_dtype=compute))
+        probe_state = train.init_state(params, probe_opt)
+        rng0 = np.random.default_rng(0)
+        args.steps, per_step = train.steps_that_fit(
+            lambda: jax.block_until_ready(
+                probe(probe_state, jnp.asarray(windows(train_stream, rng0, args.batch, args.seq + 1)))
+            ),
+            args.fit_minutes * 60,
+        )
+        print(f"probe: {per_step * 1e3:.1f} ms/step -> {args.steps} steps in {args.fit_minutes} min")
+    opt_cfg = train.OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps)
+    opt = train.make_optimizer(opt_cfg, params, frozen=frozen)
+    state = train.init_state(params, opt)
+    manager = train.checkpoint_manager(os.path.abspath(os.path.join(args.out, "ckpt_target")))
+    restored = train.restore_latest(manager, state)
+    if restored is not None:
+        state = restored
+        print(f"resumed at step {int(state.step)}")
+    step_fn = jax.jit(
+        functools.partial(train.target_train_step, optimizer=opt, compute_dtype=compute), donate_argnums=0
+    )
+
+    @jax.jit
+    def val_loss(params, batch):
+        p = model.cast_params(params, compute) if compute is not None else params
+        return train.target_loss(p, batch)[0]
+
+    print(
+        f"device {jax.devices()[0].device_kind}; {cfg.num_params() / 1e6:.2f}M params; {len(train_stream)} train tokens"
+    )
+    history, evals = [], []
+    start = int(state.step)
+    t_train = time.time()
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, mininterval=5)
+    for step in bar:
+        rng = np.random.default_rng([args.seed, step])  # per-step stream: resumes reproducibly
+        state, metrics = step_fn(state, jnp.asarray(windows(train_stream, rng, args.batch, args.seq + 1)))
+        if (step + 1) % 25 == 0:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            history.append({"step": step + 1, **m})
+            bar.set_postfix(loss=f"{m['loss']:.3f}", load=f"{m.get('max_load', 0):.2f}")
+        last = step + 1 == args.steps or (time.time() - t_start) / 60 > args.max_minutes
+        if (step + 1) % args.eval_every == 0 or last:
+            vl = float(np.mean([float(val_loss(state.params, jnp.asarray(b))) for b in val_batches]))
+            evals.append(
+                {"step": step + 1, "val_loss": vl, "val_ppl": float(np.exp(vl)), "time_s": time.time() - t_train}
+            )
+            print(json.dumps(evals[-1]), flush=True)
+        if (step + 1) % args.save_every == 0 or last:
+            train.save_state(manager, state)
+        if last:
+            break
+    manager.wait_until_finished()
+    train_time = time.time() - t_train
+    final = model.cast_params(state.params, jnp.bfloat16)
+    checkpoint.save_hf(final, os.path.join(args.out, "target"), max_shard_bytes=12 * 2**20)
+    plot(history, evals, os.path.join(args.out, "target_loss.png"), f"SMALL target ({cfg.num_params() / 1e6:.1f}M)")
+    summary = {
+        "config": cfg.to_hf_config(),
+        "args": vars(args),
+        "steps_done": int(state.step),
+        "tokens_seen": int(state.step) * args.batch * args.seq,
+        "train_time_s": train_time,
+        "device": jax.devices()[0].device_kind,
+        "final_val": evals[-1] if evals else None,
+        "evals": evals,
+        "history": history,
+    }
+    with open(os.path.join(args.out, "target_metrics.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"done: {int(state.step)} steps in {train_time:.0f}s; final {evals[-1] if evals else None}")
+
+
+if __name__ == "__main__":
+    main()
