@@ -66,22 +66,22 @@ def accept(tree: trees.DraftTree, choices: jax.Array) -> Acceptance:
     token is the target's own choice given the path so far: greedy output equals
     AR greedy, and sampled output has the target's distribution.
     """
-    b = tree.tokens.shape[0]
-    cur = jnp.zeros((b,), jnp.int32)
-    length = jnp.ones((b,), jnp.int32)
-    steps = [cur]
-    alive = jnp.ones((b,), jnp.bool_)
-    for _ in range(tree.max_depth):
+    b, dp = tree.tokens.shape[0], tree.max_depth + 1
+
+    def down(i, carry):
+        cur, length, alive, path = carry
         t = jnp.take_along_axis(choices, cur[:, None], 1)
         match = tree.valid & (tree.parents == cur[:, None]) & (tree.tokens == t) & alive[:, None]
         match = match.at[:, 0].set(False)
         found = jnp.any(match, axis=1)
         cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), cur)
-        length = length + found
-        alive = found
-        steps.append(cur)
+        return cur, length + found, found, path.at[:, i + 1].set(cur)
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    init = (zeros, zeros + 1, jnp.ones((b,), jnp.bool_), jnp.zeros((b, dp), jnp.int32))
+    cur, length, _, path = jax.lax.fori_loop(0, tree.max_depth, down, init)
     bonus = jnp.take_along_axis(choices, cur[:, None], 1)[:, 0]
-    return Acceptance(path=jnp.stack(steps, axis=1), length=length, bonus=bonus)
+    return Acceptance(path=path, length=length, bonus=bonus)
 
 
 def path_tokens(tree: trees.DraftTree, acc: Acceptance) -> jax.Array:

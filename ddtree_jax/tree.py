@@ -57,14 +57,15 @@ def check_budget(budget) -> None:
 def _visibility(parents: jax.Array, max_depth: int) -> jax.Array:
     """Ancestor-or-self matrix [B, N, N] from parent pointers (root parent -1)."""
     b, n = parents.shape
-    rows = jnp.arange(n)
+
+    def up(_, carry):
+        vis, cur = carry
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
+        return vis | jax.nn.one_hot(jnp.where(cur >= 0, cur, n), n, dtype=jnp.bool_), cur  # none for cur < 0
+
     vis = jnp.broadcast_to(jnp.eye(n, dtype=jnp.bool_), (b, n, n))
-    cur = jnp.broadcast_to(rows, (b, n))
-    for _ in range(max_depth):
-        cur = jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1) * (cur >= 0) - (cur < 0)
-        hit = jax.nn.one_hot(jnp.where(cur >= 0, cur, n), n, dtype=jnp.bool_)  # [B, N, N], none for cur < 0
-        vis = vis | hit
-    return vis
+    cur = jnp.broadcast_to(jnp.arange(n), (b, n))
+    return jax.lax.fori_loop(0, max_depth, up, (vis, cur))[0]
 
 
 def _assemble(roots, tokens, parents, depths, valid, max_depth) -> DraftTree:
@@ -125,9 +126,11 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int) -> Draf
         tok = jnp.pad(top_tok[:, 0], ((0, 0), (0, pad)))
         ranks = jnp.full((b, budget, d), -1, jnp.int32).at[:, :k, 0].set(jnp.arange(k, dtype=jnp.int32))
         parent_slot = jnp.zeros((b, budget), jnp.int32)
-        levels = [(score, tok, ranks, parent_slot)]
-        for depth in range(1, d):
-            cand = score[:, :, None] + top_lp[:, depth, None, :]  # [B, W, K], flat index = lex order
+
+        def level(carry, depth):
+            score, ranks = carry
+            lp = jax.lax.dynamic_index_in_dim(top_lp, depth, axis=1, keepdims=False)  # [B, K]
+            cand = score[:, :, None] + lp[:, None, :]  # [B, W, K], flat index = lex order
             best, flat = jax.lax.top_k(cand.reshape(b, budget * k), budget)
             flat = jnp.where(jnp.isfinite(best), flat, budget * k)  # padding sorts last
             flat = jnp.sort(flat, axis=-1)  # back to lexicographic order
@@ -135,26 +138,30 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int) -> Draf
             rank = (flat % k).astype(jnp.int32)
             live = flat < budget * k
             score = jnp.where(
-                live,
-                jnp.take_along_axis(score, parent_slot, 1) + jnp.take_along_axis(top_lp[:, depth], rank, 1),
-                -jnp.inf,
+                live, jnp.take_along_axis(score, parent_slot, 1) + jnp.take_along_axis(lp, rank, 1), -jnp.inf
             )
-            tok = jnp.take_along_axis(top_tok[:, depth], rank, 1)
+            tok = jnp.take_along_axis(jax.lax.dynamic_index_in_dim(top_tok, depth, 1, keepdims=False), rank, 1)
             ranks = (
                 jnp.take_along_axis(ranks, parent_slot[:, :, None], 1).at[:, :, depth].set(jnp.where(live, rank, -1))
             )
-            levels.append((score, tok, ranks, parent_slot))
+            return (score, ranks), (score, tok, ranks, parent_slot)
 
-        # Merge the depths: order by (score desc, rank path asc). Candidate id = depth * W + slot.
-        all_score = jnp.concatenate([lv[0] for lv in levels], axis=1)  # [B, D*W]
-        all_ranks = jnp.concatenate([lv[2] for lv in levels], axis=1)  # [B, D*W, D]
+        _, deeper = jax.lax.scan(level, (score, ranks), jnp.arange(1, d))
+
+        # Levels stacked depth-major: candidate id = depth * W + slot.
+        def stack(first, rest):
+            both = jnp.concatenate([first[None], rest], axis=0)  # [D, B, W, ...]
+            return jnp.moveaxis(both, 0, 1).reshape((b, d * budget, *first.shape[2:]))
+
+        all_score, all_tok, all_ranks, all_parent_slot = (
+            stack(f, r) for f, r in zip((score, tok, ranks, parent_slot), deeper, strict=True)
+        )
+        # Merge the depths: order by (score desc, rank path asc).
         keys = [all_ranks[..., j] for j in reversed(range(d))] + [-all_score]
         order = jnp.lexsort(keys, axis=-1)[:, :budget]  # [B, budget] candidate ids in pop order
         node_depth = order // budget  # 0-based level
         node_score = jnp.take_along_axis(all_score, order, 1)
         valid = jnp.isfinite(node_score)
-        all_tok = jnp.concatenate([lv[1] for lv in levels], axis=1)
-        all_parent_slot = jnp.concatenate([lv[3] for lv in levels], axis=1)
         node_tok = jnp.take_along_axis(all_tok, order, 1)
         # Tree index of every candidate (0 = not chosen), to turn parent slots into parent nodes.
         index_of = (
