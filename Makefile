@@ -14,7 +14,7 @@ $(VENV)/.done: pyproject.toml
 	@test -n "$(PY312)" || { echo "error: Python 3.12 not found (jax 0.11.2 needs >= 3.12)"; exit 1; }
 	PYENV_VERSION=3.12.1 $(PY312) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,experiments]'
 	touch $@
 
 $(VENV_HF)/.done:
@@ -27,7 +27,7 @@ venv: $(VENV)/.done
 venv-hf: $(VENV_HF)/.done
 
 demo: venv
-	$(VENV)/bin/python -m ddtree_jax demo
+	$(VENV)/bin/python -m ddtree_jax generate "def parse_header(" --method ddtree --budget 64 --max-new-tokens 128
 
 lint: venv
 	$(VENV)/bin/ruff check .

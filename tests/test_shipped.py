@@ -1,0 +1,183 @@
+"""The shipped checkpoints (checkpoints/): loading, greedy exactness across methods,
+a trained drafter's acceptance, and the `generate` / `eval` CLI end to end.
+
+Greedy comparisons run in float32: in bfloat16 the verify forward (many tokens at once)
+and an AR step (one token) round differently, so greedy paths may split at near-ties.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from ddtree_jax import drafter as dflash
+from ddtree_jax.__main__ import main
+from ddtree_jax.generate import generate
+from ddtree_jax.shipped import checkpoints_dir, load_shipped
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_CHECKPOINT_BYTES = 25_000_000  # the shipped folder stays small enough for the repo
+NEW_TOKENS = 48
+PROMPTS = (
+    "def parse_header(",
+    'def running_max(numbers: list[int]) -> list[int]:\n    """Return the running maximum of a list.\n'
+    '    >>> running_max([1, 3, 2, 5])\n    [1, 3, 3, 5]\n    """\n',
+    "import os\n",
+)
+# The trained drafter gives tau ~2.7 for DDTree(64) on PROMPTS (float32); random drafters
+# (init_params, std 0.02 or 0.2, several seeds) give 1.00-1.05.
+MIN_TRAINED_TAU = 1.5
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_shipped(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(shipped):
+    return [shipped.tokenizer.encode(p, bos=True) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def greedy(shipped, prompt_ids):
+    """Greedy results per method, each one batched call over all PROMPTS."""
+    runs = {"ar": ("ar", None), "dflash": ("dflash", None), "ddtree16": ("ddtree", 16), "ddtree64": ("ddtree", 64)}
+    out = {}
+    for name, (method, budget) in runs.items():
+        out[name] = generate(
+            shipped.target,
+            None if method == "ar" else shipped.drafter,
+            prompt_ids,
+            method=method,
+            tree_budget=budget,
+            max_new_tokens=NEW_TOKENS,
+            stop_token_ids=(),
+        )
+    return out
+
+
+def test_shipped_checkpoints_load_consistent(shipped):
+    tok, target, draft = shipped.tokenizer, shipped.target, shipped.drafter
+    assert target.dtype == np.float32 and draft.dtype == np.float32
+    assert target.config.vocab_size == tok.vocab_size == draft.config.vocab_size
+    assert draft.config.mask_token_id == tok.mask_id
+    assert target.config.eos_token_id == tok.eos_id
+    assert target.config.bos_token_id == tok.bos_id
+    draft.config.check_compatible(target.config)
+    assert max(draft.config.target_layer_ids) < target.config.num_hidden_layers
+
+
+def test_shipped_checkpoints_are_small():
+    root = checkpoints_dir()
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+    assert 0 < total <= MAX_CHECKPOINT_BYTES, f"{root} holds {total / 1e6:.1f} MB"
+
+
+def test_greedy_ddtree_equals_dflash_equals_ar(greedy):
+    ref = greedy["ar"].to_lists()
+    assert [len(r) for r in ref] == [NEW_TOKENS] * len(PROMPTS)
+    for name in ("dflash", "ddtree16", "ddtree64"):
+        assert greedy[name].to_lists() == ref, name
+
+
+def test_trained_drafter_accepts_more_than_random(shipped, prompt_ids, greedy):
+    tau = greedy["ddtree64"].tau
+    assert tau > MIN_TRAINED_TAU, f"DDTree(64) tau {tau:.2f} with the shipped drafter"
+    assert greedy["ddtree64"].tau >= greedy["dflash"].tau > 1.0
+    # The bound must separate trained from untrained: a random drafter of the same config stays below it.
+    random_drafter = dflash.init_params(shipped.drafter.config, jax.random.PRNGKey(0))
+    res = generate(
+        shipped.target,
+        random_drafter,
+        prompt_ids,
+        method="ddtree",
+        tree_budget=64,
+        max_new_tokens=NEW_TOKENS,
+        stop_token_ids=(),
+    )
+    assert res.to_lists() == greedy["ar"].to_lists()  # still exact, just slow
+    assert res.tau < MIN_TRAINED_TAU, f"random drafter tau {res.tau:.2f}"
+
+
+def test_cli_generate(capsys):
+    main(["generate", "def f(", "--method", "ddtree", "--budget", "8", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert out.startswith("def f(")
+    assert "method=ddtree budget=8 new_tokens=8" in out
+    assert "tau=" in out and "tokens/s=" in out
+
+
+def _eval(data_dir, out_json, capsys):
+    main(
+        [
+            "eval",
+            "--prompts",
+            "test",
+            "--limit",
+            "2",
+            "--methods",
+            "ar",
+            "ddtree",
+            "--budgets",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--data",
+            str(data_dir),
+            "--out",
+            str(out_json),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "test prompts: 2, max_new_tokens 8" in out
+    assert "| method | budget | tau | tokens/s | vs AR |" in out
+    assert "| ar | - | 1.00 |" in out
+    assert "| ddtree | 4 |" in out
+    with open(out_json) as f:
+        rows = json.load(f)["rows"]
+    assert [(r["method"], r["budget"], r["prompts"], r["tokens"]) for r in rows] == [
+        ("ar", None, 2, 16),
+        ("ddtree", 4, 2, 16),
+    ]
+    assert rows[1]["tau"] >= 1.0
+    return rows
+
+
+def test_cli_eval_on_prepared_test_split(tmp_path, capsys):
+    data_dir = os.path.join(REPO, "data")
+    if not os.path.exists(os.path.join(data_dir, "test.npy")):
+        pytest.skip("data/test.npy missing (experiments/prepare_data.py makes it); the fallback test still runs")
+    _eval(data_dir, tmp_path / "rows.json", capsys)
+
+
+def test_cli_eval_without_prepared_data_tokenizes_stdlib(tmp_path, capsys):
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    _eval(empty, tmp_path / "rows.json", capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["generate", "def f(", "--method", "beam"], "unknown method 'beam'"),
+        (["eval", "--methods", "ar", "beam"], "unknown method 'beam'"),
+        (["generate", "def f(", "--checkpoints", "/nonexistent"], "'/nonexistent' does not exist"),
+        (["eval", "--checkpoints", "/nonexistent"], "'/nonexistent' does not exist"),
+        (["generate", ""], "the prompt is empty"),
+        (["generate", "  \n"], "the prompt is empty"),
+        (["eval", "--prompts", "nope", "--methods", "ar"], "unknown prompt set 'nope'"),
+    ],
+)
+def test_cli_errors(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        main(argv)
+
+
+@pytest.mark.parametrize("bad", [8192, -1, 10**6])
+def test_generate_rejects_ids_outside_vocab(shipped, bad):
+    assert shipped.target.config.vocab_size == 8192
+    with pytest.raises(ValueError, match=rf"token 2 has id {bad}, outside the vocabulary \[0, 8192\)"):
+        generate(shipped.target, shipped.drafter, [[1, 5, bad, 7]], method="ddtree", max_new_tokens=4)
