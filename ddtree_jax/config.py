@@ -333,14 +333,18 @@ class TargetConfig:
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> TargetConfig:
         """Reads an HF `config.json` file (see `from_hf_config`)."""
-        try:
-            with open(path) as f:
-                hf = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_config(hf)
+        return cls.from_hf_config(read_json(path))
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A config.json as a dict; FileNotFoundError / ConfigError naming the file otherwise."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no config.json at {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

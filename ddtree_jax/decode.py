@@ -48,9 +48,14 @@ def verify(
 ) -> ForwardOutput:
     """One target forward over every tree slot at positions L + depth with the ancestor mask."""
     with jax.named_scope("verify"):
-        positions = cache.lengths[:, None] + tree.depths
         return forward(
-            target, tree.tokens, positions, cache, tree.visibility, tap_layers=tap_layers, implementation=implementation
+            target,
+            tree.tokens,
+            tree.positions(cache.lengths),
+            cache,
+            tree.visibility,
+            tap_layers=tap_layers,
+            implementation=implementation,
         )
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from ddtree_jax.checkpoint import IGNORED, _Reader, _t
-from ddtree_jax.config import ConfigError, TargetConfig
+from ddtree_jax.config import ConfigError, TargetConfig, read_json
 from ddtree_jax.layers import apply_rope, einsum, linear, rms_norm, rope_inv_freq, swiglu
 from ddtree_jax.safetensors_io import CheckpointError, save_file
 
@@ -237,14 +237,7 @@ class DrafterConfig:
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> DrafterConfig:
         """Reads a DFlash `config.json` file (see `from_hf_config`)."""
-        try:
-            with open(path) as f:
-                hf = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_config(hf)
+        return cls.from_hf_config(read_json(path))
 
     def check_compatible(self, target: TargetConfig) -> None:
         """Raises ConfigError if this drafter cannot run on `target` (shapes, taps, vocabulary)."""

@@ -48,8 +48,20 @@ class DFlashDrafter:
         return dflash.draft(self.params, state, target.embed, target.unembed, block, positions)
 
 
+class _Stateless:
+    """Drafters that keep no state and read no target features."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def init_state(self, target, batch, capacity):
+        return None
+
+    def observe(self, state, taps, positions, valid):
+        return state
+
+
 @struct.dataclass
-class OracleDrafter:
+class OracleDrafter(_Stateless):
     """Proposes the target's greedy continuation of the root, as near one-hot logits.
 
     With `noise` > 0, Gaussian noise of that scale is added to the logits, so the
@@ -60,13 +72,6 @@ class OracleDrafter:
     block_size: int = struct.field(pytree_node=False)
     confidence: float = struct.field(pytree_node=False, default=30.0)
     noise: float = struct.field(pytree_node=False, default=0.0)
-    tap_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
-
-    def init_state(self, target, batch, capacity):
-        return None
-
-    def observe(self, state, taps, positions, valid):
-        return state
 
     def propose(self, state, target: TargetParams, cache: KVCache, roots: jax.Array, key: jax.Array) -> jax.Array:
         b, bs = roots.shape[0], self.block_size
@@ -87,18 +92,11 @@ class OracleDrafter:
 
 
 @struct.dataclass
-class RandomDrafter:
+class RandomDrafter(_Stateless):
     """Independent random logits at every depth (scale sets how peaked)."""
 
     block_size: int = struct.field(pytree_node=False)
     scale: float = struct.field(pytree_node=False, default=3.0)
-    tap_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
-
-    def init_state(self, target, batch, capacity):
-        return None
-
-    def observe(self, state, taps, positions, valid):
-        return state
 
     def propose(self, state, target: TargetParams, cache: KVCache, roots: jax.Array, key: jax.Array) -> jax.Array:
         shape = (roots.shape[0], self.block_size - 1, target.config.vocab_size)

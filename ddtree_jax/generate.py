@@ -41,7 +41,9 @@ class GenerateResult:
       lengths: [B] number of generated tokens.
       prompt_lengths: [B].
       rounds: [B] decoding rounds (target forwards after prefill) a row took part in.
-      accept_lengths: [M, B] tokens committed by each round (0 once a row is done).
+      accept_lengths: [M, B] acceptance length of each round (accepted drafts + the bonus
+        token; 0 once a row is done). A row's last round counts its whole acceptance even
+        when a stop token or max_new_tokens emits fewer of those tokens.
       stopped: [B] True where a stop token ended the row (else max_new_tokens did).
     """
 

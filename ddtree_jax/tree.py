@@ -47,6 +47,10 @@ class DraftTree:
     def num_slots(self) -> int:
         return self.tokens.shape[1]
 
+    def positions(self, lengths: jax.Array) -> jax.Array:
+        """Absolute positions [B, N] of the slots for committed lengths [B]: L + depth."""
+        return lengths[:, None] + self.depths
+
 
 def check_budget(budget) -> None:
     """Raises ValueError unless budget is an int in [1, MAX_BUDGET]."""

@@ -55,11 +55,15 @@ HIST_BUDGETS = (16, 64)  # accept_hist.png: DFlash chain vs DDTree at these budg
 HIST_BLOCK = 16  # ... at this block size, T=0 (nearest available config otherwise)
 
 
-def buckets(prompts: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Prompts grouped by padded width (multiples of BUCKET): [(ids [n, width] int32, lengths [n])]."""
+def buckets(prompts: list[list[int]], one_call: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Prompts grouped by padded width (multiples of BUCKET): [(ids [n, width] int32, lengths [n])].
+
+    one_call: a single group padded to the widest bucket (one compile per run instead of one per bucket).
+    """
     groups: dict[int, list[list[int]]] = {}
+    widest = max(-(-len(ids) // BUCKET) * BUCKET for ids in prompts)
     for ids in prompts:
-        groups.setdefault(-(-len(ids) // BUCKET) * BUCKET, []).append(ids)
+        groups.setdefault(widest if one_call else -(-len(ids) // BUCKET) * BUCKET, []).append(ids)
     out = []
     for width in sorted(groups):
         rows = groups[width]
@@ -295,6 +299,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0, help="PRNG seed of the sampled (T > 0) runs")
     ap.add_argument("--stop", action="store_true", help="stop rows at the end-of-text token (default: never)")
+    ap.add_argument(
+        "--one-call", action="store_true", help="pad all prompts to the widest bucket: one call (compile) per run"
+    )
     ap.add_argument("--no-ar", action="store_true", help="skip the AR reference runs")
     ap.add_argument("--no-dflash", action="store_true", help="skip the DFlash chain runs")
     ap.add_argument("--out", default="out/sweep")
@@ -344,7 +351,7 @@ def main(argv=None) -> None:
     prompts = _eval_prompts(args, shipped.tokenizer)
     if not prompts:
         sys.exit("error: no prompts")
-    groups = buckets(prompts)
+    groups = buckets(prompts, args.one_call)
     args.device = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
     print(
         f"device {args.device}; dtype {args.dtype}; {len(prompts)} {args.prompts} prompts in buckets "
