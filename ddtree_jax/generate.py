@@ -170,7 +170,8 @@ def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _S
     b, m = prompts.shape[0], st.max_new_tokens
     # Allocated inside the jit: the cache never crosses the boundary, and the
     # while_loop updates it in place.
-    cache = KVCache.init(target.config, b, st.cache_capacity, jnp.dtype(st.cache_dtype))
+    # The barrier keeps XLA from constant-folding attention over the all-zero cache (slow to compile).
+    cache = jax.lax.optimization_barrier(KVCache.init(target.config, b, st.cache_capacity, jnp.dtype(st.cache_dtype)))
     first_logits, cache, draft_state = _prefill(target, drafter, cache, prompts, prompt_lengths, st)
     key, sub = jax.random.split(key)
     first = choose(first_logits, sub, st.sampling)
