@@ -178,7 +178,10 @@ def _vs_budget(rows, args, key, ylabel, path, ar_reference):
         ax.set_title(f"T={t:g}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
-    fig.suptitle(f"{ylabel} vs tree budget ({args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype})")
+    fig.suptitle(
+        f"{ylabel} vs tree budget\n({args.prompts} prompts, {args.max_new_tokens} new tokens, {args.dtype})",
+        fontsize=10,
+    )
     legend = {}  # one legend for all panels, below them: it never hides a line
     for ax in axes[0]:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
