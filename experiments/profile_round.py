@@ -1,0 +1,154 @@
+"""Per-stage time of one DDTree round: draft / build tree / verify / accept+commit, vs an AR step.
+
+    python experiments/profile_round.py --batch-sizes 1 8 --budgets 16 64 --out profile.json
+
+Each stage is jitted on its own and run `--reps` times inside one `lax.fori_loop`, so
+the figure is device time per call without Python dispatch; the whole round is timed
+the same way. Stages inside the real loop are fused into one while body, so their sum
+is an upper bound on the round. Uses the shipped checkpoints (or random SMALL with
+--random) and a prompt of --context tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import config, decode, drafter, model
+from ddtree_jax.cache import KVCache
+from ddtree_jax.drafters import DFlashDrafter
+from ddtree_jax.sampling import SamplingConfig
+
+
+def per_call(fn, args, reps: int, repeats: int = 3) -> float:
+    """Median seconds per call of fn(*args) over `reps` calls chained in a fori_loop."""
+
+    @jax.jit
+    def looped(args):
+        def body(_, carry):
+            out = fn(*carry)
+            # Feed a float zero made from the output back into the inputs, so the call can
+            # be neither removed nor hoisted (x * 0.0 is not folded: x may be NaN).
+            zero = jnp.sum(jax.tree.leaves(out)[0].astype(jnp.float32)) * 0.0
+            return jax.tree.map(lambda a: a + zero.astype(a.dtype), carry)
+
+        return jax.lax.fori_loop(0, reps, body, args)
+
+    jax.block_until_ready(looped(args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(looped(args))
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoints", default=None)
+    ap.add_argument("--random", action="store_true", help="random SMALL target + drafter instead of the shipped ones")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    dtype = jnp.dtype(args.dtype)
+    if args.random:
+        target = model.cast_params(model.init_params(config.SMALL, jax.random.PRNGKey(0)), dtype)
+        dparams = drafter.init_params(
+            drafter.drafter_config_for(config.SMALL, num_hidden_layers=2), jax.random.PRNGKey(1)
+        )
+        dparams = jax.tree.map(lambda a: a.astype(dtype), dparams)
+    else:
+        from ddtree_jax.shipped import load_shipped
+
+        shipped = load_shipped(args.checkpoints, dtype=dtype)
+        target, dparams = shipped.target, shipped.drafter
+    d = DFlashDrafter(params=dparams, block_size=dparams.config.block_size)
+    greedy = SamplingConfig()
+    key = jax.random.key(0)
+    rows = []
+    for b in args.batch_sizes:
+        rng = np.random.default_rng(0)
+        cap = args.context + 64
+        cache = KVCache.init(target.config, b, cap, dtype)
+        prompt = jnp.asarray(rng.integers(4, target.config.vocab_size, size=(b, args.context)), jnp.int32)
+        _, cache = jax.jit(model.prefill)(target, cache, prompt, jnp.full((b,), args.context, jnp.int32))
+        dstate = d.init_state(target, b, cap)
+        feats = jnp.zeros((len(d.tap_layers), b, args.context, target.config.hidden_size), dtype)
+        pos = jnp.broadcast_to(jnp.arange(args.context, dtype=jnp.int32), (b, args.context))
+        dstate = jax.jit(d.observe)(dstate, feats, pos, jnp.ones((b, args.context), bool))
+        roots = jnp.asarray(rng.integers(4, target.config.vocab_size, size=(b,)), jnp.int32)
+
+        def ar_step(cache, roots):
+            out = decode.verify(target, cache, decode.build_tree("ar", None, roots, 0))
+            return decode.target_choices(target, out.hidden, key, greedy)
+
+        t_ar = per_call(ar_step, (cache, roots), args.reps)
+        draft_fn = lambda st, cache, roots: d.propose(st, target, cache, roots, key)  # noqa: E731
+        t_draft = per_call(draft_fn, (dstate, cache, roots), args.reps)
+        logits = jax.jit(draft_fn)(dstate, cache, roots)
+        for budget in args.budgets:
+            tree = jax.jit(decode.build_tree, static_argnums=(0, 3))("ddtree", logits, roots, budget)
+            t_tree = per_call(
+                lambda lg, r, budget=budget: decode.build_tree("ddtree", lg, r, budget), (logits, roots), args.reps
+            )
+
+            def verify(cache, tree):
+                out = decode.verify(target, cache, tree, tap_layers=d.tap_layers)
+                return decode.target_choices(target, out.hidden, key, greedy), out
+
+            t_verify = per_call(lambda c, t: verify(c, t)[0], (cache, tree), args.reps)
+            choices, out = jax.jit(verify)(cache, tree)
+
+            def finish(cache, dstate, tree, choices, out):
+                acc = decode.accept(tree, choices)
+                j = jnp.arange(acc.path.shape[1])[None, :]
+                new_cache = decode.commit(cache, out.kv, acc, jnp.ones(cache.lengths.shape, bool))
+                st = d.observe(
+                    dstate, decode.path_features(out.taps, acc), cache.lengths[:, None] + j, j < acc.length[:, None]
+                )
+                return new_cache.lengths, st
+
+            t_finish = per_call(finish, (cache, dstate, tree, choices, out), args.reps)
+            row = {
+                "batch": b,
+                "budget": budget,
+                "ar_step_ms": t_ar * 1e3,
+                "draft_ms": t_draft * 1e3,
+                "tree_ms": t_tree * 1e3,
+                "verify_ms": t_verify * 1e3,
+                "accept_commit_ms": t_finish * 1e3,
+            }
+            row["sum_ms"] = row["draft_ms"] + row["tree_ms"] + row["verify_ms"] + row["accept_commit_ms"]
+            row["sum_over_ar"] = row["sum_ms"] / row["ar_step_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\ndevice {jax.devices()[0].device_kind}, {args.dtype}, context {args.context}, per call (ms)")
+    print("| batch | budget | AR step | draft | build tree | verify | accept+commit | sum | sum / AR |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['budget']} | {r['ar_step_ms']:.3f} | {r['draft_ms']:.3f} | {r['tree_ms']:.3f} | "
+            f"{r['verify_ms']:.3f} | {r['accept_commit_ms']:.3f} | {r['sum_ms']:.3f} | {r['sum_over_ar']:.2f} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
