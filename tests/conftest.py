@@ -27,6 +27,22 @@ def random_target(cfg: config.TargetConfig, seed: int = 0, std: float = 0.15) ->
     return model.init_params(cfg, jax.random.PRNGKey(seed), std=std)
 
 
+def same(a, b) -> bool:
+    """Two pytrees of arrays with equal dtypes and values."""
+    return jax.tree.all(jax.tree.map(lambda x, y: x.dtype == y.dtype and bool((x == y).all()), a, b))
+
+
+def rewrite(path, edit) -> None:
+    """Loads path/model.safetensors as a dict, lets `edit` change it, writes it back."""
+    from ddtree_jax.safetensors_io import SafetensorsFile, save_file
+
+    st = SafetensorsFile(path / "model.safetensors")
+    tensors = {k: np.array(st.get(k)) for k in st.table}
+    del st
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
 def hf_python() -> str | None:
     """The Python that has torch + transformers (Makefile's .venv-hf), or None."""
     candidates = [os.environ.get("DDTREE_HF_PYTHON"), os.path.join(HERE, "..", ".venv-hf", "bin", "python")]

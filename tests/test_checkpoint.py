@@ -3,7 +3,6 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -11,16 +10,12 @@ import safetensors.numpy
 from ddtree_jax import checkpoint
 from ddtree_jax.config import ConfigError
 from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
-from tests.conftest import random_target, tiny
+from tests.conftest import random_target, rewrite, same, tiny
 
 
 @pytest.fixture(scope="module")
 def params():
     return random_target(tiny(), seed=11)
-
-
-def same(a, b):
-    return jax.tree.all(jax.tree.map(lambda x, y: x.dtype == y.dtype and bool((x == y).all()), a, b))
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -53,15 +48,6 @@ def test_our_safetensors_match_the_reference_package(tmp_path):
     st = SafetensorsFile(tmp_path / "y.safetensors")
     for k, v in arrays.items():
         np.testing.assert_array_equal(st.get(k), v)
-
-
-def rewrite(path, edit):
-    """Loads model.safetensors as a dict, lets `edit` change it, writes it back."""
-    st = SafetensorsFile(path / "model.safetensors")
-    tensors = {k: np.array(st.get(k)) for k in st.table}
-    del st
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors")
 
 
 def test_missing_weight_is_named(params, tmp_path):

@@ -12,8 +12,8 @@ import safetensors.numpy
 from ddtree_jax import drafter
 from ddtree_jax.config import ConfigError
 from ddtree_jax.drafter import DrafterCache, DrafterConfig
-from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
-from tests.conftest import tiny
+from ddtree_jax.safetensors_io import CheckpointError
+from tests.conftest import rewrite, same, tiny
 
 CFG = DrafterConfig(
     hidden_size=64,
@@ -234,18 +234,6 @@ def test_tap_features_concatenates_layer_major():
 
 # ----------------------------------------------------------------------------------
 # HF checkpoints
-
-
-def same(a, b):
-    return jax.tree.all(jax.tree.map(lambda x, y: x.dtype == y.dtype and bool((x == y).all()), a, b))
-
-
-def rewrite(path, edit):
-    st = SafetensorsFile(path / "model.safetensors")
-    tensors = {k: np.array(st.get(k)) for k in st.table}
-    del st
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors")
 
 
 def test_hf_round_trip(params, tmp_path):
