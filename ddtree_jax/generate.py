@@ -295,7 +295,8 @@ def generate(
       cache_capacity: KV-cache slots per row; default: longest prompt +
         max_new_tokens + block_size.
       cache_dtype: latent-cache dtype; default the params' dtype.
-      implementation: "xla" or "pallas" kernels.
+      implementation: "xla", or "pallas" for the Pallas kernels where they exist
+        (MLA attention; the MoE still runs on XLA).
 
     Returns:
       A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`).

@@ -82,8 +82,6 @@ def test_mla_attention_checks_shapes_and_implementation():
     )
     with pytest.raises(AssertionError):
         mla_attention(*args, z((1, 2, 3), bool), scale=1.0)
-    with pytest.raises(NotImplementedError, match="pallas"):
-        mla_attention(*args, z((1, 2, 2), bool), scale=1.0, implementation="pallas")
     with pytest.raises(ValueError, match="'cuda'"):
         mla_attention(*args, z((1, 2, 2), bool), scale=1.0, implementation="cuda")
 

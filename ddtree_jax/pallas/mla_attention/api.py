@@ -6,9 +6,10 @@ import chex
 import jax
 
 from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
-AVAILABLE = ("xla",)
+AVAILABLE = ("xla", "pallas")
 
 
 def mla_attention(
@@ -38,7 +39,8 @@ def mla_attention(
       new_mask: visibility among the new tokens (causal for prefill, the
         ancestor-or-self matrix for a draft tree).
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
-      implementation: "xla" (pure jnp) or "pallas".
+      implementation: "xla" (pure jnp) or "pallas" (the Triton-style kernel in
+        kernel.py; on a CPU backend it runs in interpret mode).
 
     Returns:
       The attention-weighted latent values, float32.
@@ -53,4 +55,7 @@ def mla_attention(
     chex.assert_shape(new_ckv, (b, t, r))
     chex.assert_shape(new_kpe, (b, t, p))
     chex.assert_shape(new_mask, (b, t, t))
-    return mla_attention_reference(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, scale)
+    args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
+    if implementation == "pallas":
+        return mla_attention_pallas(*args, scale=scale, interpret=jax.default_backend() == "cpu")
+    return mla_attention_reference(*args, scale)
