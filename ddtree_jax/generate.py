@@ -28,6 +28,7 @@ from ddtree_jax.tree import check_budget
 
 METHODS = ("ar", "dflash", "ddtree")
 DEFAULT_BUDGET = 64
+CACHE_ALIGN = 64
 PAD = -1
 
 
@@ -293,7 +294,7 @@ def generate(
         Defaults to the config's eos_token_id, if any; pass () for none.
       prompt_lengths: valid length of each row of a padded array.
       cache_capacity: KV-cache slots per row; default: longest prompt +
-        max_new_tokens + block_size.
+        max_new_tokens + block_size, rounded up to a multiple of 64.
       cache_dtype: latent-cache dtype; default the params' dtype.
       implementation: "xla", or "pallas" for the Pallas kernels where they exist
         (MLA attention; the MoE still runs on XLA).
@@ -342,7 +343,8 @@ def generate(
     depth = 0 if drafter is None else drafter.block_size - 1
     needed = int(lengths.max()) + int(max_new_tokens) + depth
     if cache_capacity is None:
-        cache_capacity = needed
+        # Rounded up so that kernels streaming the cache in blocks never pad (copy) it.
+        cache_capacity = -(-needed // CACHE_ALIGN) * CACHE_ALIGN
     if cache_capacity < needed:
         i = int(np.argmax(lengths))
         raise ValueError(

@@ -7,7 +7,9 @@ Grid: (B, Q / BQ). Each program holds BQ query rows and streams the committed
 cache in BK-slot blocks up to cache_len[b] only (empty blocks are never read),
 with an online softmax in float32; the T new tokens come last, masked per row by
 the tree / causal mask. Checked against the reference in interpret mode on the
-CPU (tests/test_mla_kernel.py). Not yet tuned or measured on a GPU.
+CPU (tests/test_mla_kernel.py). Not yet compiled, tuned or measured on a GPU: the
+Triton lowering's limits (power-of-two blocks, a whole-cache block per batch row,
+register use at R = 512) are the first things to check there.
 """
 
 from __future__ import annotations
@@ -86,11 +88,20 @@ def mla_attention_pallas(
         x = x.reshape(b, q, x.shape[-1])
         return jnp.pad(x, ((0, 0), (0, q_pad - q), (0, 0)))
 
+    # Block shapes are powers of two: the new tokens are padded to t_pad (invisible keys).
+    t_pad = pl.next_power_of_2(t)
     # Row t * N + h of the query block belongs to token t: expand the mask to rows.
     mask = jnp.repeat(new_mask.astype(jnp.int32), n, axis=1)
-    mask = jnp.pad(mask, ((0, 0), (0, q_pad - q), (0, 0)), constant_values=1)
-    ckv = jnp.pad(cache_ckv, ((0, 0), (0, s_pad - s), (0, 0)))
-    kpe = jnp.pad(cache_kpe, ((0, 0), (0, s_pad - s), (0, 0)))
+    mask = jnp.pad(mask, ((0, 0), (0, q_pad - q), (0, t_pad - t)))
+    mask = mask.at[:, q:, 0].set(1)  # padding query rows see one key: no empty softmax
+    new_ckv = jnp.pad(new_ckv, ((0, 0), (0, t_pad - t), (0, 0)))
+    new_kpe = jnp.pad(new_kpe, ((0, 0), (0, t_pad - t), (0, 0)))
+    # A cache whose capacity is a multiple of block_k (generate rounds it) is used as is:
+    # padding would copy the whole cache on every call.
+    ckv, kpe = cache_ckv, cache_kpe
+    if s_pad != s:
+        ckv = jnp.pad(cache_ckv, ((0, 0), (0, s_pad - s), (0, 0)))
+        kpe = jnp.pad(cache_kpe, ((0, 0), (0, s_pad - s), (0, 0)))
     lens = jnp.minimum(cache_len.astype(jnp.int32), s)[:, None]
 
     grid = (b, q_pad // bq)
@@ -103,9 +114,9 @@ def mla_attention_pallas(
             pl.BlockSpec((None, bq, p), lambda i, j: (i, j, 0)),
             pl.BlockSpec((None, s_pad, r), lambda i, j: (i, 0, 0)),
             pl.BlockSpec((None, s_pad, p), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, t, r), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, t, p), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, bq, t), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, t_pad, r), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, t_pad, p), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, bq, t_pad), lambda i, j: (i, j, 0)),
         ],
         out_specs=pl.BlockSpec((None, bq, r), lambda i, j: (i, j, 0)),
         out_shape=jax.ShapeDtypeStruct((b, q_pad, r), jnp.float32),
