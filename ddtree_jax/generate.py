@@ -22,7 +22,7 @@ from flax import struct
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
-from ddtree_jax.model import TargetParams, causal_mask, forward, logits
+from ddtree_jax.model import TargetParams, append, logits
 from ddtree_jax.sampling import SamplingConfig, choose
 from ddtree_jax.tree import check_budget
 
@@ -101,24 +101,14 @@ class _Static:
 def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static):
     """Prompt into the target cache (and its tapped features into the drafter's)."""
     b, p = prompts.shape
-    idx = jnp.arange(p, dtype=jnp.int32)[None, :]
-    valid = idx < prompt_lengths[:, None]
     taps = drafter.tap_layers if drafter is not None else ()
-    out = forward(
-        target,
-        prompts,
-        jnp.broadcast_to(idx, (b, p)),
-        cache,
-        causal_mask(prompt_lengths, p),
-        tap_layers=taps,
-        implementation=st.implementation,
-    )
-    cache = cache.write(out.kv, jnp.where(valid, idx, cache.capacity)).replace(lengths=prompt_lengths)
+    out, cache = append(target, cache, prompts, prompt_lengths, tap_layers=taps, implementation=st.implementation)
     last = out.hidden[jnp.arange(b), prompt_lengths - 1]
     draft_state = None
     if drafter is not None:
+        idx = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         draft_state = drafter.init_state(target, b, st.cache_capacity)
-        draft_state = drafter.observe(draft_state, out.taps, jnp.broadcast_to(idx, (b, p)), valid)
+        draft_state = drafter.observe(draft_state, out.taps, idx, idx < prompt_lengths[:, None])
     return logits(target, last), cache, draft_state
 
 

@@ -398,6 +398,37 @@ def causal_mask(lengths: jax.Array, t: int) -> jax.Array:
     return causal[None] & (idx[None, None, :] < lengths[:, None, None])
 
 
+def append(
+    params: TargetParams,
+    cache: KVCache,
+    tokens: jax.Array,  # [B, T] right-padded
+    lengths: jax.Array,  # [B] valid tokens per row
+    *,
+    tap_layers: Sequence[int] = (),
+    implementation: str = "xla",
+) -> tuple[ForwardOutput, KVCache]:
+    """Runs `tokens[b, :lengths[b]]` causally after each row's committed cache and commits them.
+
+    Returns the forward output (hidden states and taps of every slot; padding
+    slots are meaningless) and the cache with the valid entries written and
+    lengths advanced.
+    """
+    t = tokens.shape[1]
+    idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = cache.lengths[:, None] + idx
+    out = forward(
+        params,
+        tokens,
+        positions,
+        cache,
+        causal_mask(lengths, t),
+        tap_layers=tap_layers,
+        implementation=implementation,
+    )
+    slots = jnp.where(idx < lengths[:, None], positions, cache.capacity)
+    return out, cache.write(out.kv, slots).replace(lengths=cache.lengths + lengths)
+
+
 def prefill(
     params: TargetParams,
     cache: KVCache,
@@ -411,11 +442,6 @@ def prefill(
     Returns (logits [B, V] float32 at each row's last valid token, updated cache).
     Rows with lengths[b] == 0 are left unchanged (their logits are meaningless).
     """
-    b, t = tokens.shape
-    idx = jnp.arange(t)[None, :]
-    positions = cache.lengths[:, None] + idx
-    out = forward(params, tokens, positions, cache, causal_mask(lengths, t), implementation=implementation)
-    slots = jnp.where(idx < lengths[:, None], positions, cache.capacity)
-    cache = cache.write(out.kv, slots).replace(lengths=cache.lengths + lengths)
-    last = out.hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    out, cache = append(params, cache, tokens, lengths, implementation=implementation)
+    last = out.hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
     return logits(params, last), cache

@@ -21,7 +21,7 @@ from flax import serialization, struct
 
 from ddtree_jax import drafter as dflash
 from ddtree_jax.cache import KVCache
-from ddtree_jax.model import TargetParams, cast_params, causal_mask, forward, logits
+from ddtree_jax.model import ForwardOutput, TargetParams, cast_params, causal_mask, forward, logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +86,19 @@ def router_bias_mask(params: TargetParams):
     return mask.replace(moe_layers=mask.moe_layers.replace(mlp=mlp))
 
 
+def _sequence_forward(params: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    """Causal forward of whole sequences [B, T] from position 0 with nothing committed."""
+    b, t = tokens.shape
+    cache = KVCache.init(params.config, b, 1, params.dtype)  # one slot, never visible (lengths 0)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = causal_mask(jnp.full((b,), t, jnp.int32), t)
+    return forward(params, tokens, positions, cache, mask, tap_layers=tap_layers)
+
+
 def target_loss(params: TargetParams, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Mean next-token NLL of tokens [B, T + 1] (positions 0..T-1 predict 1..T), and expert counts [Lm, E]."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    b, t = inputs.shape
-    cache = KVCache.init(params.config, b, 1, params.dtype)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = forward(params, inputs, positions, cache, causal_mask(jnp.full((b,), t, jnp.int32), t))
+    out = _sequence_forward(params, inputs)
     logp = jax.nn.log_softmax(logits(params, out.hidden), axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     return jnp.mean(nll), out.expert_counts
@@ -141,11 +147,7 @@ def block_weights(block_size: int, gamma: float) -> jax.Array:
 
 def target_features(target: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...]) -> jax.Array:
     """The frozen target's tapped features [B, T, n_taps * H] for whole sequences [B, T]."""
-    b, t = tokens.shape
-    cache = KVCache.init(target.config, b, 1, target.dtype)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = forward(target, tokens, positions, cache, causal_mask(jnp.full((b,), t, jnp.int32), t), tap_layers=tap_layers)
-    return jax.lax.stop_gradient(dflash.tap_features(out.taps))
+    return jax.lax.stop_gradient(dflash.tap_features(_sequence_forward(target, tokens, tap_layers).taps))
 
 
 def drafter_loss(
