@@ -76,8 +76,8 @@ def accept(tree: trees.DraftTree, choices: jax.Array) -> Acceptance:
     def down(i, carry):
         cur, length, alive, path = carry
         t = jnp.take_along_axis(choices, cur[:, None], 1)
+        # The root's parent is -1, so it never matches.
         match = tree.valid & (tree.parents == cur[:, None]) & (tree.tokens == t) & alive[:, None]
-        match = match.at[:, 0].set(False)
         found = jnp.any(match, axis=1)
         cur = jnp.where(found, jnp.argmax(match, axis=1).astype(jnp.int32), cur)
         return cur, length + found, found, path.at[:, i + 1].set(cur)

@@ -79,9 +79,9 @@ def _assemble(roots, tokens, parents, depths, valid, max_depth) -> DraftTree:
     parents = jnp.concatenate([jnp.full((b, 1), -1), jnp.where(valid, parents, 0)], axis=1).astype(jnp.int32)
     depths = jnp.concatenate([jnp.zeros((b, 1)), jnp.where(valid, depths, 0)], axis=1).astype(jnp.int32)
     valid = jnp.concatenate([jnp.ones((b, 1), jnp.bool_), valid], axis=1)
-    # Padding slots point at themselves-only rows: their parent chain is cut.
-    chain = jnp.where(valid, parents, -1)
-    vis = _visibility(chain, max_depth) & (valid[:, None, :] | jnp.eye(valid.shape[1], dtype=jnp.bool_))
+    # Padding slots get a cut parent chain, so each sees only itself; valid nodes have
+    # valid parents, so no valid node sees a padding slot.
+    vis = _visibility(jnp.where(valid, parents, -1), max_depth)
     return DraftTree(
         tokens=tokens, parents=parents, depths=depths, valid=valid, visibility=vis, max_depth=min(max_depth, n_nodes)
     )
