@@ -176,16 +176,18 @@ def eval_cmd(args) -> None:
     import numpy as np
 
     _check_method(args)
+    if args.bucket < 1:
+        sys.exit(f"error: --bucket must be >= 1, got {args.bucket}")
     shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
     prompts = _eval_prompts(args, shipped.tokenizer)
-    # Prompts are padded to buckets of 128 tokens: one compilation per bucket, not per prompt.
+    # Prompts are padded to buckets of --bucket tokens: one compilation per bucket, not per prompt.
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
     rows = []
     for method, budget in runs:
         tokens = rounds = accepted = 0
         seconds = 0.0
         for ids in prompts:
-            width = -(-len(ids) // 128) * 128
+            width = -(-len(ids) // args.bucket) * args.bucket
             padded = np.zeros((1, width), np.int32)
             padded[0, : len(ids)] = ids
             res, dt = _timed_generate(shipped, padded, [len(ids)], args, method, budget)
@@ -204,6 +206,9 @@ def eval_cmd(args) -> None:
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out:  # after every method: an eval cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     ar = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     print(
         f"\n{args.prompts} prompts: {len(prompts)}, max_new_tokens {args.max_new_tokens}, batch 1, T={args.temperature}"
@@ -213,9 +218,6 @@ def eval_cmd(args) -> None:
     for r in rows:
         speed = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
         print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | {speed} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
 
 
 def _sampling_args(p) -> None:
@@ -245,6 +247,7 @@ def main(argv=None) -> None:
     e.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     e.add_argument("--data", default="data", help="prepared data folder (test split, HumanEval fallback)")
     e.add_argument("--out", default=None, help="write the rows as JSON here")
+    e.add_argument("--bucket", type=int, default=128, help="pad prompts to multiples of this (one compile each)")
     _sampling_args(e)
     d = sub.add_parser("demo", help="generate with a checkpoint or a random preset")
     d.add_argument("--checkpoint", default=None, help="HF or orbax checkpoint directory")

@@ -283,8 +283,9 @@ def generate(
       stop_token_ids: a row ends after emitting one of these (it is included).
         Defaults to the config's eos_token_id, if any; pass () for none.
       prompt_lengths: valid length of each row of a padded array.
-      cache_capacity: KV-cache slots per row; default: longest prompt +
-        max_new_tokens + block_size, rounded up to a multiple of 64.
+      cache_capacity: KV-cache slots per row; default: padded prompt width +
+        max_new_tokens + draft depth, rounded up to a multiple of 64 (shapes
+        alone fix it, so padded batches of one width compile once).
       cache_dtype: latent-cache dtype; default the params' dtype.
       implementation: "xla", or "pallas" for the Pallas kernels where they exist
         (MLA attention; the MoE still runs on XLA).
@@ -333,8 +334,11 @@ def generate(
     depth = 0 if drafter is None else drafter.block_size - 1
     needed = int(lengths.max()) + int(max_new_tokens) + depth
     if cache_capacity is None:
-        # Rounded up so that kernels streaming the cache in blocks never pad (copy) it.
-        cache_capacity = -(-needed // CACHE_ALIGN) * CACHE_ALIGN
+        # From the padded width, not the longest valid prompt: the capacity is a static
+        # shape, and padded batches of one width must share one compilation. Rounded up
+        # so that kernels streaming the cache in blocks never pad (copy) it.
+        widest = ids.shape[1] + int(max_new_tokens) + depth
+        cache_capacity = -(-widest // CACHE_ALIGN) * CACHE_ALIGN
     if cache_capacity < needed:
         i = int(np.argmax(lengths))
         raise ValueError(

@@ -338,6 +338,17 @@ def replot(out: str) -> None:
     print("wrote " + ", ".join(plot_all(saved["rows"], args)))
 
 
+def save_rows(rows: list[dict], args) -> None:
+    """Writes OUT/sweep.csv and OUT/sweep.json (rows plus histograms)."""
+    with open(os.path.join(args.out, "sweep.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        meta = {k: v for k, v in vars(args).items() if k not in ("device", "replot")}
+        json.dump({"device": args.device, "args": meta, "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> None:
     ap, args = parse_args(argv)
     if args.replot:
@@ -371,20 +382,13 @@ def main(argv=None) -> None:
                 runs.append((t, "dflash", bs, None))
             runs += [(t, "ddtree", bs, b) for b in args.budgets]
     rows = []
+    os.makedirs(args.out, exist_ok=True)
     bar = tqdm(runs, desc="sweep", unit="run")
     for t, method, bs, budget in bar:
         bar.set_postfix_str(f"T={t:g} {method} block={bs or '-'} budget={budget or '-'}")
         rows.append(run_one(shipped, groups, args, t, method, bs, budget))
+        save_rows(rows, args)  # after every run: a sweep cut short keeps what it measured
     bar.close()
-
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sweep.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        meta = {k: v for k, v in vars(args).items() if k not in ("device", "replot")}
-        json.dump({"device": args.device, "args": meta, "rows": rows}, f, indent=1)
     pngs = plot_all(rows, args)
 
     print(

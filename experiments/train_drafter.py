@@ -8,7 +8,8 @@
    ([anchor, MASK ...], bidirectional inside, context strictly before the anchor),
    cross-entropy weighted exp(-(k-1)/gamma).
 3. Every --eval-every steps: tau of DFlash and DDTree decoding on validation prompts.
-Writes OUT/drafter (HF format, bf16), OUT/drafter_loss.png, OUT/drafter_metrics.json,
+Writes OUT/drafter (HF format, bf16; the final weights), OUT/drafter_best (the weights of
+the eval with the highest DFlash-chain tau), OUT/drafter_loss.png, OUT/drafter_metrics.json,
 OUT/distill.npy; resumable orbax states under OUT/ckpt_drafter.
 """
 
@@ -73,7 +74,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=192)
-    ap.add_argument("--gen-batch", type=int, default=512)
+    ap.add_argument("--gen-batch", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=16)
@@ -95,6 +96,9 @@ def main():
         help="time a few probe steps, then set --steps so that training takes about this long",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--init", default=None, help="start from this HF drafter (its config wins over --layers/--taps/...)"
+    )
     args = ap.parse_args()
 
     t_start = time.time()
@@ -126,7 +130,12 @@ def main():
     print(f"distillation data {seqs.shape} in {distill_time:.0f}s")
     eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.prompt_len, seed=1)
 
-    params = drafter.init_params(dcfg, jax.random.PRNGKey(args.seed))
+    if args.init:
+        params = drafter.load_drafter(args.init, dtype=jnp.float32)
+        dcfg = params.config
+        print(f"initialised from {args.init}")
+    else:
+        params = drafter.init_params(dcfg, jax.random.PRNGKey(args.seed))
     n, t = seqs.shape
     hi = t - args.block_size
     if args.fit_minutes:
@@ -150,6 +159,9 @@ def main():
         state = restored
         print(f"resumed at step {int(state.step)}")
     step_fn = jax.jit(functools.partial(train.drafter_train_step, optimizer=opt, gamma=args.gamma), donate_argnums=0)
+
+    def export(params, path):
+        drafter.save_drafter_hf(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), path)
 
     def evaluate(params):
         d = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
@@ -178,13 +190,14 @@ def main():
                 {"step": step + 1, "tau_dflash": tau_chain, "tau_ddtree": tau_tree, "time_s": time.time() - t_train}
             )
             print(json.dumps(evals[-1]), flush=True)
+            if tau_chain > max((e["tau_dflash"] for e in evals[:-1]), default=-1.0):
+                export(state.params, os.path.join(args.out, "drafter_best"))
             train.save_state(manager, state)
         if last:
             break
     manager.wait_until_finished()
     train_time = time.time() - t_train
-    final = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state.params)
-    drafter.save_drafter_hf(final, os.path.join(args.out, "drafter"))
+    export(state.params, os.path.join(args.out, "drafter"))
     plot(history, evals, os.path.join(args.out, "drafter_loss.png"))
     summary = {
         "config": dcfg.to_hf_config(),
@@ -196,6 +209,7 @@ def main():
         "train_time_s": train_time,
         "device": jax.devices()[0].device_kind,
         "evals": evals,
+        "best_eval": max(evals, key=lambda e: e["tau_dflash"]) if evals else None,
         "history": history,
     }
     with open(os.path.join(args.out, "drafter_metrics.json"), "w") as f:

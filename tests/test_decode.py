@@ -22,7 +22,20 @@ def small_tree():
     parents = jnp.asarray([[-1, 0, 0, 1, 2, 2, 0]])
     depths = jnp.asarray([[0, 1, 1, 2, 2, 2, 0]])
     valid = jnp.asarray([[True] * 6 + [False]])
-    vis = tree._visibility(jnp.where(valid, parents, -1), 2) & (valid[:, None, :] | jnp.eye(7, dtype=bool))
+    vis = jnp.asarray(
+        [
+            [
+                [1, 0, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0, 0],
+                [1, 0, 1, 0, 0, 0, 0],
+                [1, 1, 0, 1, 0, 0, 0],
+                [1, 0, 1, 0, 1, 0, 0],
+                [1, 0, 1, 0, 0, 1, 0],
+                [0, 0, 0, 0, 0, 0, 1],
+            ]
+        ],
+        bool,
+    )
     return tree.DraftTree(tokens=tokens, parents=parents, depths=depths, valid=valid, visibility=vis, max_depth=2)
 
 

@@ -33,6 +33,18 @@ def test_padded_array_with_lengths_equals_lists(params):
     assert a == generate(params, PROMPTS, max_new_tokens=6).to_lists()
 
 
+def test_padded_batches_of_one_width_compile_once(params):
+    """The default cache capacity follows the padded width, not the valid lengths (no recompiles)."""
+    from ddtree_jax.generate import _generate
+
+    padded = np.full((1, 80), 7, np.int32)
+    generate(params, padded, prompt_lengths=[3], max_new_tokens=4).tokens.block_until_ready()
+    before = _generate._cache_size()
+    for n in (70, 80, 11):  # needed slots on both sides of the 64-slot capacity step
+        generate(params, padded, prompt_lengths=[n], max_new_tokens=4).tokens.block_until_ready()
+    assert _generate._cache_size() == before
+
+
 def test_greedy_continues_argmax_of_full_forward(params):
     """The AR loop's token t is the argmax of a fresh full forward over prompt + tokens[:t]."""
     prompt = PROMPTS[0]

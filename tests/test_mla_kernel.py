@@ -28,19 +28,19 @@ def case(rng, b, t, n, r, p, s, lens, mask, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize(
-    ("b", "t", "n", "s", "lens", "block_q", "block_k"),
+    ("b", "t", "n", "s", "lens", "block_q", "block_k", "splits"),
     [
-        (2, 5, 3, 70, [33, 0], 8, 16),  # empty cache row; S and Q not multiples of the blocks
-        (1, 1, 4, 16, [16], 64, 16),  # AR decode: one token, full cache
-        (3, 9, 2, 40, [40, 1, 17], 4, 8),
+        (2, 5, 3, 70, [33, 0], 8, 16, 3),  # empty cache row; S and Q not multiples of the blocks
+        (1, 1, 4, 16, [16], 64, 16, None),  # AR decode: one token, full cache
+        (3, 9, 2, 40, [40, 1, 17], 4, 8, 5),  # splits past every cache_len
     ],
 )
-def test_kernel_matches_reference(b, t, n, s, lens, block_q, block_k):
+def test_kernel_matches_reference(b, t, n, s, lens, block_q, block_k, splits):
     rng = np.random.default_rng(b * 10 + t)
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
     args = case(rng, b, t, n, 16, 8, s, lens, mask)
     want = mla_attention_reference(*args, 0.3)
-    got = mla_attention_pallas(*args, scale=0.3, block_q=block_q, block_k=block_k, interpret=True)
+    got = mla_attention_pallas(*args, scale=0.3, block_q=block_q, block_k=block_k, num_splits=splits, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -51,8 +51,19 @@ def test_kernel_with_a_real_tree_mask_and_bf16():
     t = tree.tokens.shape[1]
     args = case(rng, 2, t, 4, 32, 16, 50, [50, 21], tree.visibility, jnp.bfloat16)
     want = mla_attention_reference(*args, 0.2)
-    got = mla_attention_pallas(*args, scale=0.2, block_q=16, block_k=16, interpret=True)
-    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    for block_k in (16, 4):  # the 13 tree tokens in one block, or in four
+        got = mla_attention_pallas(*args, scale=0.2, block_q=16, block_k=block_k, interpret=True)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_rows_whose_keys_all_lie_in_later_blocks():
+    """A diagonal mask: new token t sees only itself, so its first tree blocks are all masked."""
+    rng = np.random.default_rng(3)
+    t = 12
+    args = case(rng, 2, t, 2, 16, 8, 20, [0, 9], jnp.eye(t, dtype=bool)[None].repeat(2, 0))
+    want = mla_attention_reference(*args, 0.4)
+    got = mla_attention_pallas(*args, scale=0.4, block_q=8, block_k=4, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
 def test_dispatch_and_generate_with_pallas():

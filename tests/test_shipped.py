@@ -26,9 +26,10 @@ PROMPTS = (
     '    >>> running_max([1, 3, 2, 5])\n    [1, 3, 3, 5]\n    """\n',
     "import os\n",
 )
-# The trained drafter gives tau ~2.7 for DDTree(64) on PROMPTS (float32); random drafters
-# (init_params, std 0.02 or 0.2, several seeds) give 1.00-1.05.
-MIN_TRAINED_TAU = 1.5
+# The shipped drafter gives tau 2.73 (DFlash chain), 3.16 (DDTree 16) and 3.70 (DDTree 64)
+# on PROMPTS in float32; random drafters (init_params, std 0.02 or 0.2, several seeds) give
+# 1.00-1.05.
+MIN_TRAINED_TAU = 2.5
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_greedy_ddtree_equals_dflash_equals_ar(greedy):
 def test_trained_drafter_accepts_more_than_random(shipped, prompt_ids, greedy):
     tau = greedy["ddtree64"].tau
     assert tau > MIN_TRAINED_TAU, f"DDTree(64) tau {tau:.2f} with the shipped drafter"
-    assert greedy["ddtree64"].tau >= greedy["dflash"].tau > 1.0
+    assert greedy["ddtree64"].tau >= 1.2 * greedy["dflash"].tau > 1.2  # the tree beats the chain
     # The bound must separate trained from untrained: a random drafter of the same config stays below it.
     random_drafter = dflash.init_params(shipped.drafter.config, jax.random.PRNGKey(0))
     res = generate(

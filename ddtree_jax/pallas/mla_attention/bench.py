@@ -70,14 +70,21 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--impl", nargs="+", default=["xla", "pallas"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--block-q", type=int, default=64)
+    ap.add_argument("--block-k", type=int, default=32)
+    ap.add_argument("--num-warps", type=int, default=8)
+    ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument(
         "--smoke", action="store_true", help="CPU check: shapes shrunk 64x in S and 8x in R, interpret mode"
     )
     args = ap.parse_args(argv)
     r, p = (R // 8, P // 8) if args.smoke else (R, P)
-    print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl | ms | TFLOP/s | GB/s | % peak |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        f"device: {jax.devices()[0].device_kind}; pallas tiles {args.block_q}x{args.block_k}, "
+        f"{args.num_warps} warps, {args.num_stages} stages"
+    )
+    print("| shape | impl | ms | TFLOP/s | GB/s | % peak | max abs err vs xla |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes:
         b, t, n, s = SHAPES[name]
         if args.smoke:
@@ -85,15 +92,22 @@ def main(argv=None):
         x = inputs(b, t, n, s, r, p, jax.random.PRNGKey(0))
         flops = 2 * b * t * n * (s + t) * (2 * r + p)
         nbytes = 2 * b * (s + t) * (r + p) + 2 * b * t * n * (2 * r + p)
+        expected = None
         for impl in args.impl:
             if impl == "xla":
                 fn = jax.jit(lambda *a: mla_attention_reference(*a, 0.1))
             else:
-                fn = jax.jit(lambda *a: mla_attention_pallas(*a, scale=0.1, interpret=args.smoke))
+                tiles = dict(block_q=args.block_q, block_k=args.block_k, num_warps=args.num_warps)
+                tiles["num_stages"] = args.num_stages
+                fn = jax.jit(lambda *a, kw=tiles: mla_attention_pallas(*a, scale=0.1, interpret=args.smoke, **kw))
             sec = median_time(fn, x, args.reps)
+            got = fn(*x)
+            if expected is None:
+                expected = jax.jit(lambda *a: mla_attention_reference(*a, 0.1))(*x)
+            err = float(jnp.max(jnp.abs(got - expected)))
             pct = 100 * max(flops / sec / PEAK_FLOPS, nbytes / sec / PEAK_BYTES)
             print(
-                f"| {name} | {impl} | {sec * 1e3:.3f} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} | {pct:.1f} |"
+                f"| {name} | {impl} | {sec * 1e3:.3f} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} | {pct:.1f} | {err:.2e} |"
             )
 
 
