@@ -2,8 +2,8 @@
 
 python -m ddtree_jax generate "def parse_header(" [--method ddtree --budget 64 ...]
     text generation with the shipped checkpoints (checkpoints/): prints the text, tau, tokens/s.
-python -m ddtree_jax eval [--prompts humaneval|test --methods ar dflash ddtree --budgets 16 64]
-    tau and tokens/s per method over a held-out prompt set, batch 1.
+python -m ddtree_jax eval [--prompts humaneval test --methods ar dflash ddtree --budgets 16 64]
+    tau and tokens/s per method over held-out prompt sets (HumanEval, test split), batch 1.
 python -m ddtree_jax demo [--checkpoint DIR | --preset small]
     AR generation of random token prompts with any target (random weights by default).
 """
@@ -144,14 +144,14 @@ def generate_cmd(args) -> None:
     )
 
 
-def _eval_prompts(args, tok) -> list[list[int]]:
+def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
     import json
 
     import numpy as np
 
     from ddtree_jax import data
 
-    if args.prompts == "humaneval":
+    if prompt_set == "humaneval":
         try:
             texts = data.humaneval_prompts()
         except ImportError:
@@ -161,63 +161,74 @@ def _eval_prompts(args, tok) -> list[list[int]]:
             with open(path) as f:
                 texts = json.load(f)
         prompts = [tok.encode(t, bos=True) for t in texts]
-    elif args.prompts == "test":
+    elif prompt_set == "test":
         path = os.path.join(args.data, "test.npy")
         stream = np.load(path) if os.path.exists(path) else data.tokenize_split(tok, "test")
         prompts = data.prompt_windows(stream, 64, 128, seed=0).tolist()
     else:
-        sys.exit(f"error: unknown prompt set {args.prompts!r}; choose humaneval or test")
+        sys.exit(f"error: unknown prompt set {prompt_set!r}; choose humaneval or test")
     return prompts[: args.limit] if args.limit else prompts
 
 
 def eval_cmd(args) -> None:
     import json
 
-    import numpy as np
-
     _check_method(args)
     if args.bucket < 1:
         sys.exit(f"error: --bucket must be >= 1, got {args.bucket}")
+    for prompt_set in args.prompts:
+        if prompt_set not in ("humaneval", "test"):
+            sys.exit(f"error: unknown prompt set {prompt_set!r}; choose humaneval or test")
     shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
-    prompts = _eval_prompts(args, shipped.tokenizer)
-    # Prompts are padded to buckets of --bucket tokens: one compilation per bucket, not per prompt.
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
     rows = []
-    for method, budget in runs:
-        tokens = rounds = accepted = 0
-        seconds = 0.0
-        for ids in prompts:
-            width = -(-len(ids) // args.bucket) * args.bucket
-            padded = np.zeros((1, width), np.int32)
-            padded[0, : len(ids)] = ids
-            res, dt = _timed_generate(shipped, padded, [len(ids)], args, method, budget)
-            tokens += int(np.asarray(res.lengths).sum())
-            rounds += int(np.asarray(res.rounds).sum())
-            accepted += int(np.asarray(res.accept_lengths).sum())
-            seconds += dt
-        row = {
-            "method": method,
-            "budget": budget,
-            "prompts": len(prompts),
-            "tau": accepted / max(rounds, 1),
-            "tokens_per_s": tokens / seconds,
-            "tokens": tokens,
-            "seconds": seconds,
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:  # after every method: an eval cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    ar = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
-    print(
-        f"\n{args.prompts} prompts: {len(prompts)}, max_new_tokens {args.max_new_tokens}, batch 1, T={args.temperature}"
-    )
-    print("| method | budget | tau | tokens/s | vs AR |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        speed = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
-        print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | {speed} |")
+    for prompt_set in args.prompts:
+        prompts = _eval_prompts(prompt_set, args, shipped.tokenizer)
+        set_rows = []
+        for method, budget in runs:
+            set_rows.append(_eval_run(shipped, prompts, args, method, budget) | {"prompt_set": prompt_set})
+            print(json.dumps(set_rows[-1]), flush=True)
+            if args.out:  # after every run: an eval cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump({"args": vars(args), "rows": rows + set_rows}, f, indent=1)
+        rows += set_rows
+        ar = next((r["tokens_per_s"] for r in set_rows if r["method"] == "ar"), None)
+        print(
+            f"\n{prompt_set} prompts: {len(prompts)}, max_new_tokens {args.max_new_tokens}, batch 1, "
+            f"T={args.temperature}"
+        )
+        print("| method | budget | tau | tokens/s | vs AR |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in set_rows:
+            speed = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
+            print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | {speed} |")
+
+
+def _eval_run(shipped, prompts, args, method, budget) -> dict:
+    """One method over a prompt set at batch 1: tau and tokens/s over the timed calls."""
+    import numpy as np
+
+    tokens = rounds = accepted = 0
+    seconds = 0.0
+    for ids in prompts:
+        # Padded to multiples of --bucket tokens: one compilation per bucket, not per prompt.
+        width = -(-len(ids) // args.bucket) * args.bucket
+        padded = np.zeros((1, width), np.int32)
+        padded[0, : len(ids)] = ids
+        res, dt = _timed_generate(shipped, padded, [len(ids)], args, method, budget)
+        tokens += int(np.asarray(res.lengths).sum())
+        rounds += int(np.asarray(res.rounds).sum())
+        accepted += int(np.asarray(res.accept_lengths).sum())
+        seconds += dt
+    return {
+        "method": method,
+        "budget": budget,
+        "prompts": len(prompts),
+        "tau": accepted / max(rounds, 1),
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "seconds": seconds,
+    }
 
 
 def _sampling_args(p) -> None:
@@ -241,7 +252,9 @@ def main(argv=None) -> None:
     g.add_argument("--budget", type=int, default=64)
     _sampling_args(g)
     e = sub.add_parser("eval", help="tau and tokens/s per method over a held-out prompt set")
-    e.add_argument("--prompts", default="humaneval", help="humaneval or test")
+    e.add_argument(
+        "--prompts", nargs="+", default=["humaneval", "test"], help="prompt sets: humaneval and/or test (64 windows)"
+    )
     e.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
     e.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     e.add_argument("--limit", type=int, default=None, help="use only the first N prompts")

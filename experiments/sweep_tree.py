@@ -362,7 +362,7 @@ def main(argv=None) -> None:
     bad = [b for b in args.block_sizes if not 2 <= b <= own]
     if bad:
         ap.error(f"block sizes must lie in [2, the drafter's block_size={own}], got {bad}")
-    prompts = _eval_prompts(args, shipped.tokenizer)
+    prompts = _eval_prompts(args.prompts, args, shipped.tokenizer)
     if not prompts:
         sys.exit("error: no prompts")
     groups = buckets(prompts, args.one_call)
