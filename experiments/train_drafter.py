@@ -24,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _loop
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,40 +164,37 @@ def main():
     def export(params, path):
         drafter.save_drafter_hf(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), path)
 
-    def evaluate(params):
-        d = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    best = {"tau_dflash": -1.0}
+
+    def evaluate(state):
+        d = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state.params)
         kw = dict(max_new_tokens=96, stop_token_ids=())
         chain = generate(target, d, eval_prompts, method="dflash", **kw)
         tree = generate(target, d, eval_prompts, method="ddtree", tree_budget=args.eval_budget, **kw)
-        return chain.tau, tree.tau
+        if chain.tau > best["tau_dflash"]:
+            best["tau_dflash"] = chain.tau
+            export(state.params, os.path.join(args.out, "drafter_best"))
+        return {"tau_dflash": chain.tau, "tau_ddtree": tree.tau}
 
-    history, evals = [], []
-    start = int(state.step)
-    t_train = time.time()
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, mininterval=5)
-    for step in bar:
-        rng = np.random.default_rng([args.seed, step])
+    def make_batch(rng):
         rows = rng.integers(0, n, size=args.batch)
         anchors = train.sample_anchors(rng, args.batch, args.anchors, args.prompt_len, hi)
-        state, metrics = step_fn(state, target, jnp.asarray(seqs[rows]), jnp.asarray(anchors))
-        if (step + 1) % 25 == 0:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            history.append({"step": step + 1, **m})
-            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['chain_accept']:.2f}")
-        last = step + 1 == args.steps or (time.time() - t_start) / 60 > args.max_minutes
-        if (step + 1) % args.eval_every == 0 or last:
-            tau_chain, tau_tree = evaluate(state.params)
-            evals.append(
-                {"step": step + 1, "tau_dflash": tau_chain, "tau_ddtree": tau_tree, "time_s": time.time() - t_train}
-            )
-            print(json.dumps(evals[-1]), flush=True)
-            if tau_chain > max((e["tau_dflash"] for e in evals[:-1]), default=-1.0):
-                export(state.params, os.path.join(args.out, "drafter_best"))
-            train.save_state(manager, state)
-        if last:
-            break
-    manager.wait_until_finished()
-    train_time = time.time() - t_train
+        return target, jnp.asarray(seqs[rows]), jnp.asarray(anchors)
+
+    state, history, evals, train_time = _loop.run(
+        state,
+        step_fn,
+        make_batch,
+        evaluate,
+        manager,
+        steps=args.steps,
+        seed=args.seed,
+        t_start=t_start,
+        max_minutes=args.max_minutes,
+        eval_every=args.eval_every,
+        save_every=args.eval_every,
+        postfix=lambda m: {"loss": f"{m['loss']:.3f}", "acc": f"{m['chain_accept']:.2f}"},
+    )
     export(state.params, os.path.join(args.out, "drafter"))
     plot(history, evals, os.path.join(args.out, "drafter_loss.png"))
     summary = {

@@ -18,10 +18,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _loop
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from ddtree_jax import checkpoint, config, model, train
 from ddtree_jax.data import Tokenizer
@@ -119,30 +119,25 @@ def main():
     print(
         f"device {jax.devices()[0].device_kind}; {cfg.num_params() / 1e6:.2f}M params; {len(train_stream)} train tokens"
     )
-    history, evals = [], []
-    start = int(state.step)
-    t_train = time.time()
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, mininterval=5)
-    for step in bar:
-        rng = np.random.default_rng([args.seed, step])  # per-step stream: resumes reproducibly
-        state, metrics = step_fn(state, jnp.asarray(windows(train_stream, rng, args.batch, args.seq + 1)))
-        if (step + 1) % 25 == 0:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            history.append({"step": step + 1, **m})
-            bar.set_postfix(loss=f"{m['loss']:.3f}", load=f"{m.get('max_load', 0):.2f}")
-        last = step + 1 == args.steps or (time.time() - t_start) / 60 > args.max_minutes
-        if (step + 1) % args.eval_every == 0 or last:
-            vl = float(np.mean([float(val_loss(state.params, jnp.asarray(b))) for b in val_batches]))
-            evals.append(
-                {"step": step + 1, "val_loss": vl, "val_ppl": float(np.exp(vl)), "time_s": time.time() - t_train}
-            )
-            print(json.dumps(evals[-1]), flush=True)
-        if (step + 1) % args.save_every == 0 or last:
-            train.save_state(manager, state)
-        if last:
-            break
-    manager.wait_until_finished()
-    train_time = time.time() - t_train
+
+    def evaluate(state):
+        vl = float(np.mean([float(val_loss(state.params, jnp.asarray(b))) for b in val_batches]))
+        return {"val_loss": vl, "val_ppl": float(np.exp(vl))}
+
+    state, history, evals, train_time = _loop.run(
+        state,
+        step_fn,
+        lambda rng: (jnp.asarray(windows(train_stream, rng, args.batch, args.seq + 1)),),
+        evaluate,
+        manager,
+        steps=args.steps,
+        seed=args.seed,
+        t_start=t_start,
+        max_minutes=args.max_minutes,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        postfix=lambda m: {"loss": f"{m['loss']:.3f}", "load": f"{m.get('max_load', 0):.2f}"},
+    )
     final = model.cast_params(state.params, jnp.bfloat16)
     checkpoint.save_hf(final, os.path.join(args.out, "target"), max_shard_bytes=12 * 2**20)
     plot(history, evals, os.path.join(args.out, "target_loss.png"), f"SMALL target ({cfg.num_params() / 1e6:.1f}M)")

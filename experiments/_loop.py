@@ -1,0 +1,66 @@
+"""The training loop shared by train_target.py and train_drafter.py.
+
+Per step: a batch from a per-step PRNG stream (so a resumed run sees the same
+batches), one jitted step; every 25 steps the metrics go to the history and the
+progress bar; every `eval_every` steps (and at the end) `evaluate` runs and its row
+is printed as JSON; every `save_every` steps (and at the end) the orbax state is
+saved. The run ends at `steps` or once `max_minutes` have passed since `t_start`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from ddtree_jax import train
+
+
+def run(
+    state: train.TrainState,
+    step_fn: Callable,
+    make_batch: Callable[[np.random.Generator], tuple],
+    evaluate: Callable[[train.TrainState], dict],
+    manager,
+    *,
+    steps: int,
+    seed: int,
+    t_start: float,
+    max_minutes: float,
+    eval_every: int,
+    save_every: int,
+    postfix: Callable[[dict], dict],
+) -> tuple[train.TrainState, list[dict], list[dict], float]:
+    """Trains from state.step to `steps`; returns (state, history, evals, train seconds).
+
+    Args:
+      step_fn: (state, *batch) -> (state, metrics dict of scalars).
+      make_batch: per-step generator -> the batch arguments of step_fn.
+      evaluate: state -> a dict of evaluation figures (step and time_s are added).
+      manager: an orbax CheckpointManager (`train.checkpoint_manager`).
+      postfix: metrics -> progress-bar fields.
+    """
+    history, evals = [], []
+    start = int(state.step)
+    t_train = time.time()
+    bar = tqdm(range(start, steps), initial=start, total=steps, mininterval=5)
+    for step in bar:
+        state, metrics = step_fn(state, *make_batch(np.random.default_rng([seed, step])))
+        if (step + 1) % 25 == 0:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            history.append({"step": step + 1, **m})
+            bar.set_postfix(postfix(m))
+        last = step + 1 == steps or (time.time() - t_start) / 60 > max_minutes
+        if (step + 1) % eval_every == 0 or last:
+            evals.append({"step": step + 1, **evaluate(state), "time_s": time.time() - t_train})
+            print(json.dumps(evals[-1]), flush=True)
+        if (step + 1) % save_every == 0 or last:
+            train.save_state(manager, state)
+        if last:
+            break
+    manager.wait_until_finished()
+    return state, history, evals, time.time() - t_train
