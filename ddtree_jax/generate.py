@@ -287,8 +287,9 @@ def generate(
         max_new_tokens + draft depth, rounded up to a multiple of 64 (shapes
         alone fix it, so padded batches of one width compile once).
       cache_dtype: latent-cache dtype; default the params' dtype.
-      implementation: "xla", or "pallas" for the Pallas kernels where they exist
-        (MLA attention; the MoE still runs on XLA).
+      implementation: "xla", or "pallas" for the Pallas kernels (MLA attention
+        and the routed experts; interpret mode on a CPU backend). Single-device
+        for now: a pallas_call is not partitioned over sharded weights.
 
     Returns:
       A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`).

@@ -26,7 +26,6 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, einsum, linear, rms_norm, rope_tables, swiglu
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
-from ddtree_jax.pallas.moe.api import AVAILABLE as MOE_AVAILABLE
 
 
 @struct.dataclass
@@ -211,9 +210,7 @@ def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) 
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
         idx, w = route(cfg, flat, p.router, p.router_bias)
-        # No Pallas MoE kernel yet: "pallas" means Pallas where a kernel exists.
-        moe_impl = implementation if implementation in MOE_AVAILABLE else "xla"
-        y = moe_experts(flat, idx, w, p.gate, p.up, p.down, implementation=moe_impl)
+        y = moe_experts(flat, idx, w, p.gate, p.up, p.down, implementation=implementation)
         if p.shared is not None:
             y = y + swiglu(flat, p.shared.gate, p.shared.up, p.shared.down)
         counts = jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32), axis=(0, 1))

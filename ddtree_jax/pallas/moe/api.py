@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
 
-AVAILABLE = ("xla",)
+AVAILABLE = ("xla", "pallas")
 
 
 def moe_experts(
@@ -29,7 +30,9 @@ def moe_experts(
       idx: the K experts chosen for each token.
       w: their routing weights (already normalised and scaled).
       gate, up, down: stacked expert weights, [in, out] per expert.
-      implementation: "xla" or "pallas".
+      implementation: "xla" (weight gather or ragged_dot, see reference.py) or
+        "pallas" (the grouped Triton-style kernel in kernel.py; on a CPU backend
+        it runs in interpret mode).
 
     Returns:
       [T, H] in x's dtype.
@@ -43,4 +46,6 @@ def moe_experts(
     chex.assert_shape(up, (e, h, i))
     chex.assert_shape(down, (e, i, h))
     chex.assert_type(idx, jnp.int32)
+    if implementation == "pallas":
+        return moe_experts_pallas(x, idx, w, gate, up, down, interpret=jax.default_backend() == "cpu")
     return moe_experts_xla(x, idx, w, gate, up, down)

@@ -1,0 +1,99 @@
+"""The Pallas grouped MoE kernel (interpret mode on the CPU) against the dense reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.pallas.moe import moe_experts
+from ddtree_jax.pallas.moe.kernel import group_by_expert, moe_experts_pallas, num_row_blocks
+from ddtree_jax.pallas.moe.reference import moe_experts_reference
+
+SMALL_TILES = dict(block_m=16, block_i=16, block_h=16, block_k=16)
+
+
+def case(seed, t, e, h, i, idx=None, k=2, dtype=jnp.float32):
+    """Random x, routing and weights; idx defaults to k distinct experts per token."""
+    rng = np.random.default_rng(seed)
+
+    def f(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.normal(size=shape), dtype)
+
+    if idx is None:
+        idx = np.argsort(rng.uniform(size=(t, e)), axis=1)[:, :k]
+    idx = jnp.asarray(idx, jnp.int32)
+    w = jnp.asarray(rng.uniform(size=idx.shape), jnp.float32)
+    return f(t, h), idx, w, f(e, h, i, scale=h**-0.5), f(e, h, i, scale=h**-0.5), f(e, i, h, scale=i**-0.5)
+
+
+@pytest.mark.parametrize(
+    ("t", "k", "e", "h", "i", "tiles"),
+    [
+        (1, 2, 8, 24, 20, SMALL_TILES),  # AR: T * K < block_m; H, I not multiples of 16; 6 experts idle
+        (9, 3, 8, 40, 36, dict(block_m=4, block_i=16, block_h=32, block_k=8)),  # several blocks per expert
+        (33, 8, 16, 64, 32, {}),  # default tiles, shrunk to the small H and I
+    ],
+)
+def test_kernel_matches_reference(t, k, e, h, i, tiles):
+    args = case(t, t, e, h, i, k=k)
+    got = moe_experts_pallas(*args, interpret=True, **tiles)
+    np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_skewed_routing_with_idle_experts_and_several_tile_sizes():
+    """Experts 0, 2, 4, 5 get nothing; expert 1 spans blocks; the last experts are idle, so unused blocks trail."""
+    idx = [[1, 3], [3, 1], [1, 3], [1, 3], [3, 1], [1, 3], [1, 3]]
+    args = case(5, 7, 6, 48, 40, idx=idx)
+    want = moe_experts_reference(*args)
+    for bm, bi, bh, bk in [(4, 16, 16, 8), (2, 32, 64, 16), (8, 64, 32, 32)]:
+        got = moe_experts_pallas(*args, block_m=bm, block_i=bi, block_h=bh, block_k=bk, interpret=True)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"tiles {(bm, bi, bh, bk)}")
+
+
+def test_bf16():
+    args = case(3, 12, 8, 64, 48, k=3, dtype=jnp.bfloat16)
+    got = moe_experts_pallas(*args, interpret=True, **SMALL_TILES)
+    assert got.dtype == jnp.bfloat16
+    want = moe_experts_reference(*args)
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_layout_groups_pairs_by_expert_in_padded_blocks():
+    idx = jnp.asarray([[3, 1], [1, 0], [3, 1], [1, 4]], jnp.int32)  # sizes: e0 1, e1 4, e2 0, e3 2, e4 1
+    pos, block_expert = group_by_expert(idx, 6, 2)
+    # e0: rows 0-1, e1: rows 2-5, e3: rows 6-7, e4: rows 8-9; pairs keep their order within an expert.
+    np.testing.assert_array_equal(pos, [6, 2, 3, 0, 7, 4, 5, 8])
+    assert block_expert.shape == (num_row_blocks(8, 6, 2),)  # (8 + 6) // 2 = 7
+    np.testing.assert_array_equal(block_expert, [0, 1, 1, 3, 4, -1, -1])
+
+
+def test_row_block_bound_is_reached():
+    """One token on 8 distinct experts with 16-row blocks needs all 8 = (8 + 8 * 15) // 16 blocks."""
+    _, block_expert = group_by_expert(jnp.arange(8, dtype=jnp.int32)[None] * 5, 48, 16)
+    np.testing.assert_array_equal(block_expert, np.arange(8) * 5)
+
+
+def test_tiles_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="block_h"):
+        moe_experts_pallas(*case(0, 2, 4, 16, 16), block_h=24, interpret=True)
+
+
+def test_dispatch_and_generate_with_pallas():
+    from ddtree_jax.generate import generate
+    from tests.conftest import random_target, tiny
+
+    args = case(1, 5, 8, 32, 24, k=2)
+    np.testing.assert_allclose(
+        moe_experts(*args, implementation="pallas"), moe_experts(*args, implementation="xla"), atol=1e-5, rtol=1e-5
+    )
+    params = random_target(tiny(), seed=4)
+    prompts = [[5, 17, 33, 2], [9]]
+    xla = generate(params, prompts, max_new_tokens=4).to_lists()
+    assert generate(params, prompts, max_new_tokens=4, implementation="pallas").to_lists() == xla
+
+
+def test_bench_smoke(capsys):
+    from ddtree_jax.pallas.moe import bench
+
+    bench.main(["--smoke", "--reps", "1", "--shapes", "kimi_k2_ep8_tree16"])
+    out = capsys.readouterr().out
+    assert "| kimi_k2_ep8_tree16 | xla |" in out and "| kimi_k2_ep8_tree16 | pallas |" in out
