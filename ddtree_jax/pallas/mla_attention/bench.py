@@ -14,17 +14,13 @@ compute and the memory fraction: whichever bound the shape is closer to.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.pallas.bench_util import median_time, percent_of_peak
 from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
-
-PEAK_FLOPS = 797e12
-PEAK_BYTES = 3.3e12
 
 # name: (batch, query tokens T, heads N, cache length S)
 SHAPES = {
@@ -53,16 +49,6 @@ def inputs(b, t, n, s, r, p, key):
         jax.random.normal(ks[5], (b, t, p), bf),
         causal,
     )
-
-
-def median_time(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -105,7 +91,7 @@ def main(argv=None):
             if expected is None:
                 expected = jax.jit(lambda *a: mla_attention_reference(*a, 0.1))(*x)
             err = float(jnp.max(jnp.abs(got - expected)))
-            pct = 100 * max(flops / sec / PEAK_FLOPS, nbytes / sec / PEAK_BYTES)
+            pct = percent_of_peak(flops, nbytes, sec)
             print(
                 f"| {name} | {impl} | {sec * 1e3:.3f} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} | {pct:.1f} | {err:.2e} |"
             )

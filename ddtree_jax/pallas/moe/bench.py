@@ -19,17 +19,13 @@ fraction: whichever bound the shape is closer to. The error is against the xla p
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.pallas.bench_util import median_time, percent_of_peak
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
-
-PEAK_FLOPS = 797e12
-PEAK_BYTES = 3.3e12
 
 # name: tokens T
 SHAPES = {
@@ -56,16 +52,6 @@ def inputs(t, h, i, e, k, key):
         (jax.random.normal(ks[4], (e, h, i), jnp.float32) * h**-0.5).astype(bf),
         (jax.random.normal(ks[5], (e, i, h), jnp.float32) * i**-0.5).astype(bf),
     )
-
-
-def median_time(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -104,7 +90,7 @@ def main(argv=None):
             fn = xla if impl == "xla" else pallas
             sec = median_time(fn, x, args.reps)
             err = float(jnp.max(jnp.abs(fn(*x).astype(jnp.float32) - expected)))
-            pct = 100 * max(flops / sec / PEAK_FLOPS, nbytes / sec / PEAK_BYTES)
+            pct = percent_of_peak(flops, nbytes, sec)
             print(
                 f"| {name} | {impl} | {sec * 1e3:.3f} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} | {pct:.1f} | {err:.2e} |"
             )
