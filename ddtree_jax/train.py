@@ -150,6 +150,18 @@ def target_features(target: TargetParams, tokens: jax.Array, tap_layers: tuple[i
     return jax.lax.stop_gradient(dflash.tap_features(_sequence_forward(target, tokens, tap_layers).taps))
 
 
+def teacher_logprobs(target: TargetParams, hidden: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
+    """The target's own next-token log-probs [B, A, bs-1, V] for every drafted slot.
+
+    Slot k (1..bs-1) of the block anchored at a predicts position a + k, so its
+    teacher is the target's distribution after position a + k - 1. hidden: [B, T, H]
+    final hidden states of the target over the sequences (stop-gradient).
+    """
+    pos = anchors[:, :, None] + jnp.arange(block_size - 1)[None, None, :]  # [B, A, bs-1]
+    h = jnp.take_along_axis(hidden[:, None, :, :], pos[..., None], axis=2)  # [B, A, bs-1, H]
+    return jax.lax.stop_gradient(jax.nn.log_softmax(logits(target, h).astype(jnp.float32), axis=-1))
+
+
 def drafter_loss(
     params: dflash.DrafterParams,
     target: TargetParams,
@@ -157,20 +169,34 @@ def drafter_loss(
     tokens: jax.Array,  # [B, T]
     anchors: jax.Array,  # [B, A]
     gamma: float,
+    teacher: jax.Array | None = None,  # [B, A, bs-1, V] log-probs
+    distill_weight: float = 0.0,
 ) -> tuple[jax.Array, dict]:
-    """Weighted cross-entropy of every anchored block against the continuation."""
+    """Weighted loss of every anchored block against the continuation.
+
+    Per slot: (1 - distill_weight) * cross-entropy with the continuation's token +
+    distill_weight * KL(teacher || drafter), where `teacher` is `teacher_logprobs`
+    (required when distill_weight > 0). Slots are weighted exp(-(k - 1) / gamma).
+    """
     bs = params.config.block_size
     lg = dflash.train_logits(params, target.embed, target.unembed, features, tokens, anchors)  # [B, A, bs-1, V]
     idx = anchors[:, :, None] + jnp.arange(1, bs)[None, None, :]
     labels = jnp.take_along_axis(tokens[:, None, :], idx, axis=2)  # [B, A, bs-1]
     logp = jax.nn.log_softmax(lg, axis=-1)
-    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    per_slot = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    aux = {}
+    if distill_weight:
+        if teacher is None:
+            raise ValueError(f"distill_weight={distill_weight} needs the teacher's log-probs")
+        kl = jnp.sum(jnp.exp(teacher) * (teacher - logp), axis=-1)
+        per_slot = (1.0 - distill_weight) * per_slot + distill_weight * kl
+        aux["kl"] = jnp.mean(kl)
     w = block_weights(bs, gamma)
-    loss = jnp.sum(nll * w) / (nll.shape[0] * nll.shape[1] * jnp.sum(w))
+    loss = jnp.sum(per_slot * w) / (per_slot.shape[0] * per_slot.shape[1] * jnp.sum(w))
     hit = (jnp.argmax(lg, axis=-1) == labels).astype(jnp.float32)
     # Expected accepted drafts of a DFlash chain: the run of leading correct slots.
     run = jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1)
-    return loss, {"top1": jnp.mean(hit[..., 0]), "chain_accept": jnp.mean(run) + 1.0}
+    return loss, {"top1": jnp.mean(hit[..., 0]), "chain_accept": jnp.mean(run) + 1.0, **aux}
 
 
 def drafter_train_step(
@@ -180,11 +206,18 @@ def drafter_train_step(
     anchors: jax.Array,
     optimizer: optax.GradientTransformation,
     gamma: float,
+    distill_weight: float = 0.0,
 ) -> tuple[TrainState, dict]:
-    """One drafter step: target features (frozen), weighted block CE, AdamW."""
-    features = target_features(target, tokens, state.params.config.target_layer_ids)
+    """One drafter step: the frozen target's features (and, with distill_weight, its
+    next-token distributions as soft labels), the weighted block loss, AdamW."""
+    taps = state.params.config.target_layer_ids
+    out = _sequence_forward(target, tokens, taps)
+    features = jax.lax.stop_gradient(dflash.tap_features(out.taps))
+    teacher = None
+    if distill_weight:
+        teacher = teacher_logprobs(target, out.hidden, anchors, state.params.config.block_size)
     (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
-        state.params, target, features, tokens, anchors, gamma
+        state.params, target, features, tokens, anchors, gamma, teacher, distill_weight
     )
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

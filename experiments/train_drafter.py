@@ -84,6 +84,12 @@ def main():
     ap.add_argument("--taps", type=int, nargs="+", default=[1, 3, 5])
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument(
+        "--distill-weight",
+        type=float,
+        default=0.0,
+        help="weight of KL(target || drafter) against the hard-label cross-entropy (0 = DFlash's hard labels)",
+    )
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=500)
@@ -141,7 +147,11 @@ def main():
     hi = t - args.block_size
     if args.fit_minutes:
         probe_opt = train.make_optimizer(train.OptimConfig(total_steps=10**6), params)
-        probe = jax.jit(functools.partial(train.drafter_train_step, optimizer=probe_opt, gamma=args.gamma))
+        probe = jax.jit(
+            functools.partial(
+                train.drafter_train_step, optimizer=probe_opt, gamma=args.gamma, distill_weight=args.distill_weight
+            )
+        )
         probe_state = train.init_state(params, probe_opt)
         rng = np.random.default_rng(0)
         toks = jnp.asarray(seqs[rng.integers(0, n, size=args.batch)])
@@ -159,7 +169,12 @@ def main():
     if restored is not None:
         state = restored
         print(f"resumed at step {int(state.step)}")
-    step_fn = jax.jit(functools.partial(train.drafter_train_step, optimizer=opt, gamma=args.gamma), donate_argnums=0)
+    step_fn = jax.jit(
+        functools.partial(
+            train.drafter_train_step, optimizer=opt, gamma=args.gamma, distill_weight=args.distill_weight
+        ),
+        donate_argnums=0,
+    )
 
     def export(params, path):
         drafter.save_drafter_hf(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), path)

@@ -2,8 +2,10 @@
 
     python experiments/train_target.py --data data --out out/target_run --steps 2000 --max-minutes 8
 
-Writes OUT/target (HF format, bf16, sharded < 16 MB per file), OUT/target_loss.png,
-OUT/target_metrics.json; resumable orbax states under OUT/ckpt_target.
+Writes OUT/target (HF format, bf16, sharded < 16 MB per file; the final weights),
+OUT/target_best (the same, for the evaluation with the lowest validation loss: the
+small corpus overfits), OUT/target_loss.png, OUT/target_metrics.json; resumable orbax
+states under OUT/ckpt_target.
 """
 
 from __future__ import annotations
@@ -120,8 +122,18 @@ def main():
         f"device {jax.devices()[0].device_kind}; {cfg.num_params() / 1e6:.2f}M params; {len(train_stream)} train tokens"
     )
 
+    def export(params, name):
+        checkpoint.save_hf(
+            model.cast_params(params, jnp.bfloat16), os.path.join(args.out, name), max_shard_bytes=12 * 2**20
+        )
+
+    best = {"val_loss": float("inf")}
+
     def evaluate(state):
         vl = float(np.mean([float(val_loss(state.params, jnp.asarray(b))) for b in val_batches]))
+        if vl < best["val_loss"]:
+            best["val_loss"] = vl
+            export(state.params, "target_best")
         return {"val_loss": vl, "val_ppl": float(np.exp(vl))}
 
     state, history, evals, train_time = _loop.run(
@@ -138,8 +150,7 @@ def main():
         save_every=args.save_every,
         postfix=lambda m: {"loss": f"{m['loss']:.3f}", "load": f"{m.get('max_load', 0):.2f}"},
     )
-    final = model.cast_params(state.params, jnp.bfloat16)
-    checkpoint.save_hf(final, os.path.join(args.out, "target"), max_shard_bytes=12 * 2**20)
+    export(state.params, "target")
     plot(history, evals, os.path.join(args.out, "target_loss.png"), f"SMALL target ({cfg.num_params() / 1e6:.1f}M)")
     summary = {
         "config": cfg.to_hf_config(),
@@ -149,6 +160,7 @@ def main():
         "train_time_s": train_time,
         "device": jax.devices()[0].device_kind,
         "final_val": evals[-1] if evals else None,
+        "best_val": min(evals, key=lambda e: e["val_loss"]) if evals else None,
         "evals": evals,
         "history": history,
     }
