@@ -24,6 +24,7 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
 from ddtree_jax.model import TargetParams, append, logits
 from ddtree_jax.sampling import SamplingConfig, choose
+from ddtree_jax.sharding import MESH_AXES
 from ddtree_jax.tree import check_budget
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -288,8 +289,9 @@ def generate(
         alone fix it, so padded batches of one width compile once).
       cache_dtype: latent-cache dtype; default the params' dtype.
       implementation: "xla", or "pallas" for the Pallas kernels (MLA attention
-        and the routed experts; interpret mode on a CPU backend). Single-device
-        for now: a pallas_call is not partitioned over sharded weights.
+        and the routed experts; interpret mode on a CPU backend). With weights
+        placed by `sharding.shard_target`, the kernels run per shard under that
+        mesh: heads and experts over "model", the batch over "data".
 
     Returns:
       A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`).
@@ -355,6 +357,19 @@ def generate(
         cache_dtype=jnp.dtype(cache_dtype or target.dtype).name,
         implementation=implementation,
     )
-    return _generate(
-        target, drafter, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop or [PAD], jnp.int32), key, st=st
-    )
+    args = (target, drafter, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop or [PAD], jnp.int32), key)
+    mesh = _params_mesh(target) if implementation == "pallas" else None
+    if mesh is None:
+        return _generate(*args, st=st)
+    # Pallas kernels are opaque to GSPMD: under the params' mesh they run per shard.
+    with jax.set_mesh(mesh):
+        return _generate(*args, st=st)
+
+
+def _params_mesh(target: TargetParams):
+    """The ("data", "model") mesh the target's weights are placed on, if any (see sharding.py)."""
+    for leaf in jax.tree.leaves(target):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None and tuple(mesh.axis_names) == MESH_AXES and mesh.size > 1:
+            return mesh
+    return None

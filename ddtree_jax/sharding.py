@@ -10,6 +10,11 @@ Tensor parallelism over "model": attention heads, dense-MLP and shared-expert
 intermediate units, routed experts (expert parallelism) and the vocabulary.
 The absorbed-MLA latent cache has a single shared KV head, so it is replicated
 over "model"; "data" is for the batch.
+
+Pallas kernels are opaque to GSPMD, so under a mesh context (`jax.set_mesh`, which
+`generate` enters for sharded params with implementation="pallas") their dispatch
+functions run them per shard with `shard_map`, with specs from the same logical
+axes (`context_mesh`, `spec_for`).
 """
 
 from __future__ import annotations
@@ -114,6 +119,18 @@ def drafter_logical_axes(params):
         return out
 
     return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def context_mesh():
+    """The ("data", "model") mesh of the current `jax.set_mesh` context, or None.
+
+    None without a context, for a mesh of one device, or for a mesh with other axis
+    names (then kernels run unsharded and GSPMD moves their operands).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or tuple(mesh.axis_names) != MESH_AXES or mesh.size == 1:
+        return None
+    return mesh
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:

@@ -66,6 +66,17 @@ def test_layout_groups_pairs_by_expert_in_padded_blocks():
     np.testing.assert_array_equal(block_expert, [0, 1, 1, 3, 4, -1, -1])
 
 
+def test_dropped_pairs_cost_nothing_and_count_zero():
+    """idx < 0 drops a pair (expert parallelism: another shard's expert): same as weight 0."""
+    x, idx, w, gate, up, down = case(5, 6, 4, 16, 8, k=3)
+    drop = jnp.asarray(np.random.default_rng(5).random(idx.shape) < 0.4)
+    got = moe_experts_pallas(x, jnp.where(drop, -1, idx), w, gate, up, down, block_m=4, interpret=True)
+    want = moe_experts_reference(x, idx, jnp.where(drop, 0.0, w), gate, up, down)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    _, block_expert = group_by_expert(jnp.asarray([[-1, 2], [-1, -1]], jnp.int32), 4, 2)
+    np.testing.assert_array_equal(block_expert, [2, -1, -1, -1])  # dropped pairs: blocks 1-2, skipped
+
+
 def test_row_block_bound_is_reached():
     """One token on 8 distinct experts with 16-row blocks needs all 8 = (8 + 8 * 15) // 16 blocks."""
     _, block_expert = group_by_expert(jnp.arange(8, dtype=jnp.int32)[None] * 5, 48, 16)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 
+from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
 from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
@@ -40,7 +43,8 @@ def mla_attention(
         ancestor-or-self matrix for a draft tree).
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
       implementation: "xla" (pure jnp) or "pallas" (the Triton-style kernel in
-        kernel.py; on a CPU backend it runs in interpret mode).
+        kernel.py; on a CPU backend it runs in interpret mode; under a
+        `jax.set_mesh` context it runs per shard, heads over "model").
 
     Returns:
       The attention-weighted latent values, float32.
@@ -57,5 +61,15 @@ def mla_attention(
     chex.assert_shape(new_mask, (b, t, t))
     args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
     if implementation == "pallas":
-        return mla_attention_pallas(*args, scale=scale, interpret=jax.default_backend() == "cpu")
+        kernel = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
+        mesh = sharding.context_mesh()
+        if mesh is None:
+            return kernel(*args)
+        # Per shard: the batch over "data", the query heads over "model" (MQA: every
+        # head reads the whole latent cache, which is replicated over "model").
+        axes = [("batch", None, "heads", None)] * 2 + [("batch", None, None)] * 2 + [("batch",)]
+        axes += [("batch", None, None)] * 3
+        specs = tuple(sharding.spec_for(a, x.shape, mesh) for a, x in zip(axes, args, strict=True))
+        # check_vma=False: pallas_call outputs carry no varying-axes annotation.
+        return jax.shard_map(kernel, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
     return mla_attention_reference(*args, scale)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
+from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
@@ -32,7 +36,8 @@ def moe_experts(
       gate, up, down: stacked expert weights, [in, out] per expert.
       implementation: "xla" (weight gather or ragged_dot, see reference.py) or
         "pallas" (the grouped Triton-style kernel in kernel.py; on a CPU backend
-        it runs in interpret mode).
+        it runs in interpret mode; under a `jax.set_mesh` context whose "model"
+        axis divides E it runs expert-parallel, one shard of experts per device).
 
     Returns:
       [T, H] in x's dtype.
@@ -47,5 +52,28 @@ def moe_experts(
     chex.assert_shape(down, (e, i, h))
     chex.assert_type(idx, jnp.int32)
     if implementation == "pallas":
-        return moe_experts_pallas(x, idx, w, gate, up, down, interpret=jax.default_backend() == "cpu")
+        kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
+        mesh = sharding.context_mesh()
+        expert_spec = None if mesh is None else sharding.spec_for(("experts", None, None), gate.shape, mesh)
+        if expert_spec is None or expert_spec[0] is None:
+            return kernel(x, idx, w, gate, up, down)
+        return _expert_parallel(kernel, expert_spec)(x, idx, w, gate, up, down)
     return moe_experts_xla(x, idx, w, gate, up, down)
+
+
+def _expert_parallel(kernel, expert_spec):
+    """The kernel per shard of the experts: each computes the pairs routed to its own
+    experts (the others are dropped, idx -1) and the partial sums are added over the
+    expert axis. Tokens are replicated to every shard."""
+    axis = expert_spec[0]
+
+    def local(x, idx, w, gate, up, down):
+        first = jax.lax.axis_index(axis) * gate.shape[0]
+        mine = (idx >= first) & (idx < first + gate.shape[0])
+        y = kernel(x, jnp.where(mine, idx - first, -1), jnp.where(mine, w, 0.0), gate, up, down)
+        return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
+
+    rep = PartitionSpec()
+    specs = (rep, rep, rep, expert_spec, expert_spec, expert_spec)
+    # check_vma=False: pallas_call outputs carry no varying-axes annotation.
+    return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)

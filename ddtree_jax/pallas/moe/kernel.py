@@ -7,9 +7,10 @@ blocks, BI / BH output tiles over I / H, BK the reduction chunk of both matmuls.
 Layout, in XLA (`group_by_expert`): the M pairs are sorted by expert and each
 expert's group is padded to a multiple of BM rows, so every row block belongs to
 one expert. The number of used blocks depends on the routing, so the grid uses the
-static bound NB = floor((M + min(E, M) * (BM - 1)) / BM) (each non-empty expert
-pads fewer than BM rows). `block_expert[b]` is block b's expert, or -1 for a block
-past the used ones. Token rows are scattered into this layout (padding rows are
+static bound NB = floor((M + min(E + 1, M) * (BM - 1)) / BM) (each non-empty group
+pads fewer than BM rows; group E holds dropped pairs, idx < 0, such as the experts
+of other shards under expert parallelism). `block_expert[b]` is block b's expert,
+or -1 for a block of dropped pairs or past the used ones. Token rows are scattered into this layout (padding rows are
 zero).
 
 Two kernels, each with the row block on the fastest grid axis so that the blocks
@@ -59,7 +60,7 @@ def group_by_expert(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax
     """Rows of the expert-sorted, block-padded layout.
 
     Args:
-      idx: [T, K] int32 expert ids.
+      idx: [T, K] int32 expert ids; a negative id drops the pair (no compute, weight 0).
       num_experts: E.
       block_m: rows per block (BM).
 
@@ -67,14 +68,16 @@ def group_by_expert(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax
       pos: [T * K] int32, the layout row of pair t * K + k.
       block_expert: [NB] int32, the expert of each row block, -1 past the used blocks.
     """
-    flat = idx.reshape(-1)  # [M]
-    pairs = flat.shape[0]
-    nb = num_row_blocks(pairs, num_experts, block_m)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
-    blocks = pl.cdiv(sizes, block_m)  # [E]
-    block_end = jnp.cumsum(blocks)  # [E]
-    first_row = (block_end - blocks) * block_m  # [E] first layout row of each expert
-    first_pair = jnp.cumsum(sizes) - sizes  # [E] first sorted position of each expert
+    pairs = idx.size
+    # Dropped pairs (idx < 0, e.g. experts on another shard) form one more group, E,
+    # whose blocks are marked -1 like unused ones: they are laid out but never computed.
+    flat = jnp.where(idx.reshape(-1) < 0, num_experts, idx.reshape(-1))  # [M]
+    nb = num_row_blocks(pairs, num_experts + 1, block_m)
+    sizes = jnp.bincount(flat, length=num_experts + 1).astype(jnp.int32)  # [E + 1]
+    blocks = pl.cdiv(sizes, block_m)  # [E + 1]
+    block_end = jnp.cumsum(blocks)  # [E + 1]
+    first_row = (block_end - blocks) * block_m  # [E + 1] first layout row of each group
+    first_pair = jnp.cumsum(sizes) - sizes  # [E + 1] first sorted position of each group
     order = jnp.argsort(flat, stable=True)  # [M] pair ids grouped by expert
     sorted_expert = flat[order]
     rank = jnp.arange(pairs, dtype=jnp.int32) - first_pair[sorted_expert]
@@ -206,5 +209,7 @@ def moe_experts_pallas(
     )(block_expert, act, down)  # [NB * BM, H_pad]
 
     y = ys[pos, :h].reshape(t, k, h).astype(jnp.float32)
+    # Rows of dropped pairs were never written: select, not multiply (0 * garbage may be NaN).
+    y = jnp.where((idx >= 0)[..., None], y, 0.0)
     # An elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
     return jnp.sum(w.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
