@@ -1,6 +1,7 @@
 """Compare AR, DFlash and DDTree decoding on the same prompts: tau, tokens/s, rounds/s.
 
     python experiments/compare_methods.py --batch-sizes 1 8 --budgets 16 64 --out compare.json
+    python experiments/compare_methods.py --mesh 1 2 --implementation pallas   # 2 GPUs, TP/EP kernels
 
 Without --target / --drafter it uses random `SMALL` weights and a random DFlash drafter
 (acceptance is then near 1: the figures measure round cost, not speedup). Round time
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checkpoint, config, drafter, model
+from ddtree_jax import checkpoint, config, drafter, model, sharding
 from ddtree_jax.generate import generate
 
 
@@ -54,6 +55,10 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--implementation", default="xla", choices=("xla", "pallas"))
+    ap.add_argument(
+        "--mesh", type=int, nargs=2, default=None, metavar=("DATA", "MODEL"), help="shard weights on this mesh"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -70,8 +75,14 @@ def main():
             target.config, num_hidden_layers=args.draft_layers, block_size=args.block_size
         )
         draft = jax.tree.map(lambda a: a.astype(dtype), drafter.init_params(dcfg, jax.random.PRNGKey(1)))
+    if args.mesh:
+        mesh = sharding.make_mesh(*args.mesh)
+        target, draft = sharding.shard_target(target, mesh), sharding.shard_drafter(draft, mesh)
     dev = jax.devices()[0].device_kind
-    print(f"device: {dev}; target {target.config.num_params() / 1e6:.2f}M params; dtype {args.dtype}")
+    print(
+        f"device: {dev} x {jax.device_count()}; mesh {args.mesh or '-'}; implementation {args.implementation}; "
+        f"target {target.config.num_params() / 1e6:.2f}M params; dtype {args.dtype}"
+    )
     rng = np.random.default_rng(0)
     rows = []
     for b in args.batch_sizes:
@@ -81,7 +92,7 @@ def main():
         runs += [("ddtree", k) for k in args.budgets] if "ddtree" in args.methods else []
         ar_step = None
         for method, budget in runs:
-            kw = dict(method=method, tree_budget=budget, stop_token_ids=())
+            kw = dict(method=method, tree_budget=budget, stop_token_ids=(), implementation=args.implementation)
             d = None if method == "ar" else draft
             t_pre, _ = timed(target, d, prompts, 1, args.repeats, **kw)
             t, res = timed(target, d, prompts, args.max_new_tokens, args.repeats, **kw)
@@ -114,7 +125,8 @@ def main():
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": dev, "dtype": args.dtype, "args": vars(args), "rows": rows}, f, indent=2)
+            meta = {"device": dev, "devices": jax.device_count(), "dtype": args.dtype, "args": vars(args)}
+            json.dump({**meta, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
