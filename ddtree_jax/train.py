@@ -185,6 +185,8 @@ def drafter_loss(
     logp = jax.nn.log_softmax(lg, axis=-1)
     per_slot = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     aux = {}
+    if not 0.0 <= distill_weight <= 1.0:
+        raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
     if distill_weight:
         if teacher is None:
             raise ValueError(f"distill_weight={distill_weight} needs the teacher's log-probs")

@@ -108,6 +108,8 @@ def main():
     )
     args = ap.parse_args()
 
+    if not 0.0 <= args.distill_weight <= 1.0:
+        sys.exit(f"error: --distill-weight must be in [0, 1], got {args.distill_weight}")
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     tok = Tokenizer.load(os.path.join(args.data, "tokenizer.json"))

@@ -103,6 +103,8 @@ def test_soft_label_loss():
     assert float(aux["kl"]) > 0
     with pytest.raises(ValueError, match=r"distill_weight=0\.5"):
         train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0, None, 0.5)
+    with pytest.raises(ValueError, match=r"\[0, 1\], got 1\.5"):
+        train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0, teacher, 1.5)
 
 
 def test_drafter_steps_with_soft_labels_lower_kl():
