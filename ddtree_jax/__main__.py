@@ -176,14 +176,12 @@ def eval_cmd(args) -> None:
     _check_method(args)
     if args.bucket < 1:
         sys.exit(f"error: --bucket must be >= 1, got {args.bucket}")
-    for prompt_set in args.prompts:
-        if prompt_set not in ("humaneval", "test"):
-            sys.exit(f"error: unknown prompt set {prompt_set!r}; choose humaneval or test")
     shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
+    # Every set first: an unknown or missing one fails before any generation.
+    prompt_sets = {name: _eval_prompts(name, args, shipped.tokenizer) for name in args.prompts}
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
     rows = []
-    for prompt_set in args.prompts:
-        prompts = _eval_prompts(prompt_set, args, shipped.tokenizer)
+    for prompt_set, prompts in prompt_sets.items():
         set_rows = []
         for method, budget in runs:
             set_rows.append(_eval_run(shipped, prompts, args, method, budget) | {"prompt_set": prompt_set})

@@ -24,7 +24,6 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
 from ddtree_jax.model import TargetParams, append, logits
 from ddtree_jax.sampling import SamplingConfig, choose
-from ddtree_jax.sharding import MESH_AXES
 from ddtree_jax.tree import check_budget
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -367,9 +366,10 @@ def generate(
 
 
 def _params_mesh(target: TargetParams):
-    """The ("data", "model") mesh the target's weights are placed on, if any (see sharding.py)."""
+    """The mesh the target's weights are placed on, if any; `sharding.context_mesh`
+    decides whether the kernels can use it."""
     for leaf in jax.tree.leaves(target):
         mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
-        if mesh is not None and tuple(mesh.axis_names) == MESH_AXES and mesh.size > 1:
+        if mesh is not None:
             return mesh
     return None

@@ -145,9 +145,12 @@ def block_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.exp(-(k - 1) / gamma)
 
 
-def target_features(target: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...]) -> jax.Array:
-    """The frozen target's tapped features [B, T, n_taps * H] for whole sequences [B, T]."""
-    return jax.lax.stop_gradient(dflash.tap_features(_sequence_forward(target, tokens, tap_layers).taps))
+def target_outputs(target: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """One frozen target pass over whole sequences [B, T]: the drafter's conditioning
+    features [B, T, n_taps * H] and the final hidden states [B, T, H] (for
+    `teacher_logprobs`), both without gradient."""
+    out = _sequence_forward(target, tokens, tap_layers)
+    return jax.lax.stop_gradient((dflash.tap_features(out.taps), out.hidden))
 
 
 def teacher_logprobs(target: TargetParams, hidden: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
@@ -155,7 +158,7 @@ def teacher_logprobs(target: TargetParams, hidden: jax.Array, anchors: jax.Array
 
     Slot k (1..bs-1) of the block anchored at a predicts position a + k, so its
     teacher is the target's distribution after position a + k - 1. hidden: [B, T, H]
-    final hidden states of the target over the sequences (stop-gradient).
+    final hidden states of the target over the sequences (`target_outputs`).
     """
     pos = anchors[:, :, None] + jnp.arange(block_size - 1)[None, None, :]  # [B, A, bs-1]
     h = jnp.take_along_axis(hidden[:, None, :, :], pos[..., None], axis=2)  # [B, A, bs-1, H]
@@ -212,12 +215,10 @@ def drafter_train_step(
 ) -> tuple[TrainState, dict]:
     """One drafter step: the frozen target's features (and, with distill_weight, its
     next-token distributions as soft labels), the weighted block loss, AdamW."""
-    taps = state.params.config.target_layer_ids
-    out = _sequence_forward(target, tokens, taps)
-    features = jax.lax.stop_gradient(dflash.tap_features(out.taps))
+    features, hidden = target_outputs(target, tokens, state.params.config.target_layer_ids)
     teacher = None
     if distill_weight:
-        teacher = teacher_logprobs(target, out.hidden, anchors, state.params.config.block_size)
+        teacher = teacher_logprobs(target, hidden, anchors, state.params.config.block_size)
     (loss, aux), grads = jax.value_and_grad(drafter_loss, has_aux=True)(
         state.params, target, features, tokens, anchors, gamma, teacher, distill_weight
     )

@@ -40,24 +40,35 @@ def test_target_steps_lower_loss_and_balance_router():
     assert float(metrics["max_load"]) >= 1.0
 
 
-def test_drafter_steps_lower_loss():
+def drafter_case(target_seed, drafter_seed, data_seed, b, t, anchors):
+    """A tiny target, a 1-layer block-4 drafter for it, and a repetitive batch with anchors."""
     cfg = tiny()
-    target = random_target(cfg, seed=1)
+    target = random_target(cfg, seed=target_seed)
     dcfg = drafter.drafter_config_for(cfg, num_hidden_layers=1, block_size=4)
-    dparams = drafter.init_params(dcfg, jax.random.PRNGKey(0))
-    opt = train.make_optimizer(train.OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=40), dparams)
-    state = train.init_state(dparams, opt)
-    step = jax.jit(functools.partial(train.drafter_train_step, optimizer=opt, gamma=4.0))
-    rng = np.random.default_rng(1)
-    tokens = jnp.asarray(repetitive_batch(rng, 4, 24, cfg.vocab_size - 1))
-    anchors = jnp.asarray(train.sample_anchors(rng, 4, 5, 0, 24 - 4))
-    feats = train.target_features(target, tokens, dcfg.target_layer_ids)
+    dparams = drafter.init_params(dcfg, jax.random.PRNGKey(drafter_seed))
+    rng = np.random.default_rng(data_seed)
+    tokens = jnp.asarray(repetitive_batch(rng, b, t, cfg.vocab_size - 1))
+    return target, dparams, tokens, jnp.asarray(train.sample_anchors(rng, b, anchors, 0, t - 4))
+
+
+def drafter_stepper(dparams, total_steps, **kw):
+    """(initial TrainState, jitted drafter_train_step) with AdamW 3e-3."""
+    opt_cfg = train.OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=total_steps)
+    opt = train.make_optimizer(opt_cfg, dparams)
+    step = jax.jit(functools.partial(train.drafter_train_step, optimizer=opt, gamma=4.0, **kw))
+    return train.init_state(dparams, opt), step
+
+
+def test_drafter_steps_lower_loss():
+    target, dparams, tokens, anchors = drafter_case(1, 0, 1, 4, 24, 5)
+    state, step = drafter_stepper(dparams, 40)
+    feats, _ = train.target_outputs(target, tokens, dparams.config.target_layer_ids)
     first = float(train.drafter_loss(dparams, target, feats, tokens, anchors, 4.0)[0])
     for _ in range(25):
         state, metrics = step(state, target, tokens, anchors)
     last = float(train.drafter_loss(state.params, target, feats, tokens, anchors, 4.0)[0])
     assert last < 0.6 * first, (first, last)
-    assert 1.0 <= float(metrics["chain_accept"]) <= dcfg.block_size
+    assert 1.0 <= float(metrics["chain_accept"]) <= dparams.config.block_size
 
 
 def test_teacher_aligns_with_self_distilled_tokens():
@@ -71,7 +82,7 @@ def test_teacher_aligns_with_self_distilled_tokens():
     tokens = jnp.asarray(np.concatenate([prompts, np.asarray(cont.tokens)], axis=1))  # [2, 20]
     bs = 5
     anchors = jnp.asarray([[5, 9, 15], [6, 10, 11]], jnp.int32)  # continuation starts at 6
-    hidden = train._sequence_forward(target, tokens).hidden
+    _, hidden = train.target_outputs(target, tokens, (0,))
     teacher = train.teacher_logprobs(target, hidden, anchors, bs)
     assert teacher.shape == (2, 3, bs - 1, cfg.vocab_size)
     want = jnp.take_along_axis(tokens[:, None, :], anchors[:, :, None] + jnp.arange(1, bs), axis=2)
@@ -80,16 +91,9 @@ def test_teacher_aligns_with_self_distilled_tokens():
 
 
 def test_soft_label_loss():
-    cfg = tiny()
-    target = random_target(cfg, seed=4)
-    dcfg = drafter.drafter_config_for(cfg, num_hidden_layers=1, block_size=4)
-    dparams = drafter.init_params(dcfg, jax.random.PRNGKey(2))
-    rng = np.random.default_rng(4)
-    tokens = jnp.asarray(repetitive_batch(rng, 2, 16, cfg.vocab_size - 1))
-    anchors = jnp.asarray(train.sample_anchors(rng, 2, 3, 0, 16 - 4))
-    out = train._sequence_forward(target, tokens, dcfg.target_layer_ids)
-    feats = drafter.tap_features(out.taps)
-    teacher = train.teacher_logprobs(target, out.hidden, anchors, 4)
+    target, dparams, tokens, anchors = drafter_case(4, 2, 4, 2, 16, 3)
+    feats, hidden = train.target_outputs(target, tokens, dparams.config.target_layer_ids)
+    teacher = train.teacher_logprobs(target, hidden, anchors, 4)
     hard = train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0)[0]
     assert float(train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0, teacher, 0.0)[0]) == float(hard)
     soft, aux = train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0, teacher, 1.0)
@@ -108,16 +112,8 @@ def test_soft_label_loss():
 
 
 def test_drafter_steps_with_soft_labels_lower_kl():
-    cfg = tiny()
-    target = random_target(cfg, seed=5)
-    dcfg = drafter.drafter_config_for(cfg, num_hidden_layers=1, block_size=4)
-    dparams = drafter.init_params(dcfg, jax.random.PRNGKey(3))
-    opt = train.make_optimizer(train.OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=30), dparams)
-    state = train.init_state(dparams, opt)
-    step = jax.jit(functools.partial(train.drafter_train_step, optimizer=opt, gamma=4.0, distill_weight=0.5))
-    rng = np.random.default_rng(5)
-    tokens = jnp.asarray(repetitive_batch(rng, 4, 24, cfg.vocab_size - 1))
-    anchors = jnp.asarray(train.sample_anchors(rng, 4, 5, 0, 24 - 4))
+    target, dparams, tokens, anchors = drafter_case(5, 3, 5, 4, 24, 5)
+    state, step = drafter_stepper(dparams, 30, distill_weight=0.5)
     kls = [float(step(state, target, tokens, anchors)[1]["kl"])]
     for _ in range(20):
         state, metrics = step(state, target, tokens, anchors)

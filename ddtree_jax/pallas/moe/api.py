@@ -54,18 +54,17 @@ def moe_experts(
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
         mesh = sharding.context_mesh()
-        expert_spec = None if mesh is None else sharding.spec_for(("experts", None, None), gate.shape, mesh)
-        if expert_spec is None or expert_spec[0] is None:
+        axis = None if mesh is None else sharding.spec_for(("experts", None, None), gate.shape, mesh)[0]
+        if axis is None:  # no mesh, or E not divisible by it: one kernel over all experts
             return kernel(x, idx, w, gate, up, down)
-        return _expert_parallel(kernel, expert_spec)(x, idx, w, gate, up, down)
+        return _expert_parallel(kernel, axis)(x, idx, w, gate, up, down)
     return moe_experts_xla(x, idx, w, gate, up, down)
 
 
-def _expert_parallel(kernel, expert_spec):
-    """The kernel per shard of the experts: each computes the pairs routed to its own
-    experts (the others are dropped, idx -1) and the partial sums are added over the
-    expert axis. Tokens are replicated to every shard."""
-    axis = expert_spec[0]
+def _expert_parallel(kernel, axis: str):
+    """The kernel per shard of the experts over mesh `axis`: each computes the pairs
+    routed to its own experts (the others are dropped, idx -1) and the partial sums
+    are added over the axis. Tokens are replicated to every shard."""
 
     def local(x, idx, w, gate, up, down):
         first = jax.lax.axis_index(axis) * gate.shape[0]
@@ -73,7 +72,7 @@ def _expert_parallel(kernel, expert_spec):
         y = kernel(x, jnp.where(mine, idx - first, -1), jnp.where(mine, w, 0.0), gate, up, down)
         return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
 
-    rep = PartitionSpec()
-    specs = (rep, rep, rep, expert_spec, expert_spec, expert_spec)
+    rep, experts = PartitionSpec(), PartitionSpec(axis, None, None)
+    specs = (rep, rep, rep, experts, experts, experts)
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)
