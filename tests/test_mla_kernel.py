@@ -99,3 +99,10 @@ def test_bench_smoke(capsys):
     bench.main(["--smoke", "--reps", "1", "--shapes", "kimi_k2_tp8_tree16"])
     out = capsys.readouterr().out
     assert "| kimi_k2_tp8_tree16 | xla |" in out and "| kimi_k2_tp8_tree16 | pallas |" in out
+
+
+def test_tiles_must_be_powers_of_two():
+    rng = np.random.default_rng(0)
+    args = case(rng, 1, 2, 2, 8, 4, 6, [3], jnp.ones((1, 2, 2), bool))
+    with pytest.raises(ValueError, match="block_k must be a power of two, got 24"):
+        mla_attention_pallas(*args, scale=0.5, block_k=24, interpret=True)

@@ -15,3 +15,10 @@ def check_implementation(implementation: str, available: tuple[str, ...], op: st
         raise NotImplementedError(
             f"{op}: implementation={implementation!r} is not available yet (have {available}); use implementation='xla'"
         )
+
+
+def check_tiles(**tiles: int) -> None:
+    """Raises ValueError naming the first tile size that is not a power of two (Triton blocks must be)."""
+    for name, size in tiles.items():
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two, got {size}")

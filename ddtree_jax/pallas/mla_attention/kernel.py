@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ddtree_jax.pallas import check_tiles
+
 MASK_VALUE = -1e30
 TARGET_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): how finely the cache is split."""
@@ -146,6 +148,7 @@ def mla_attention_pallas(
     `num_splits` (cache splits) defaults to `num_cache_splits`; `num_warps` and
     `num_stages` go to the Triton compiler.
     """
+    check_tiles(block_q=block_q, block_k=block_k)
     b, t, n, r = q_lat.shape
     s, p = cache_ckv.shape[1], q_pe.shape[-1]
     q = t * n

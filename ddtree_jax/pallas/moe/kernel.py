@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ddtree_jax.pallas import check_tiles
+
 
 def num_row_blocks(pairs: int, num_experts: int, block_m: int) -> int:
     """Static upper bound on the row blocks of the padded layout: each non-empty expert pads < BM rows."""
@@ -154,9 +156,7 @@ def moe_experts_pallas(
     and min(H, I) when those are smaller. `num_warps` and `num_stages` go to the
     Triton compiler.
     """
-    for name, size in (("block_m", block_m), ("block_i", block_i), ("block_h", block_h), ("block_k", block_k)):
-        if size < 1 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two, got {size}")
+    check_tiles(block_m=block_m, block_i=block_i, block_h=block_h, block_k=block_k)
     t, h = x.shape
     e, _, i = gate.shape
     k = idx.shape[1]
