@@ -11,8 +11,9 @@ embedded with the target's table and the final hidden states are unembedded with
 the target's lm_head. The target's tapped hidden states, concatenated and
 projected (`fc`, `hidden_norm`), give one context vector per committed token;
 every layer projects it to keys/values of its own (cached in `DrafterCache`).
-The block's queries attend, without a mask, to all committed context keys and
-to all block keys; the block's keys/values are never kept.
+The block's queries attend, without a mask, to all committed context keys (on
+"sliding_attention" layers only to those less than `sliding_window` positions
+back) and to all block keys; the block's keys/values are never kept.
 
 Weights are stored [in, out] (x @ w), heads split out; layers are stacked on a
 leading axis and run with `lax.scan`.
@@ -87,6 +88,10 @@ class DrafterConfig:
     rope_theta: float = 1e6
     num_target_layers: int | None = None
     max_position_embeddings: int = 40960
+    # HF Qwen3 sliding windows: a "sliding_attention" layer's query at position q sees
+    # context keys at positions k with q - k < sliding_window. None = all full attention.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         positive = (
@@ -132,10 +137,43 @@ class DrafterConfig:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        types = self.layer_types
+        if types is None:
+            types = ("full_attention",) * self.num_hidden_layers
+        if not isinstance(types, tuple | list) or len(types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types must list one type per layer ({self.num_hidden_layers}), got {types!r}")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ConfigError(f"layer_types {unknown} are not supported (full_attention / sliding_attention)")
+        # All-full is stored as None so that dataclasses.replace(num_hidden_layers=...) keeps working.
+        object.__setattr__(self, "layer_types", tuple(types) if "sliding_attention" in types else None)
+        w = self.sliding_window
+        if "sliding_attention" in types:
+            if not isinstance(w, int) or w < self.block_size:
+                raise ConfigError(
+                    f"sliding_window must be an int >= block_size={self.block_size} for sliding_attention "
+                    f"layers, got {w!r}"
+                )
+        elif w is not None:
+            raise ConfigError(f"sliding_window={w!r} is set but no layer is sliding_attention")
 
     @property
     def n_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Per layer: how far back (q - k < window) a query sees context; full layers get 2**31 - 1."""
+        full = int(np.iinfo(np.int32).max)
+        return tuple(self.sliding_window if t == "sliding_attention" else full for t in self.types)
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """The attention type of each layer ("full_attention" or "sliding_attention")."""
+        return self.layer_types or ("full_attention",) * self.num_hidden_layers
 
     @property
     def num_kv_groups(self) -> int:
@@ -184,14 +222,22 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"config.json lacks required keys: {missing}")
         n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+        # Qwen3Config: the window exists only with use_sliding_window; absent layer_types
+        # make layers from max_window_layers on sliding.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         layer_types = hf.get("layer_types")
         if layer_types is None:
-            # Qwen3Config's rule when layer_types is absent.
-            sliding = hf.get("use_sliding_window") and hf.get("sliding_window") is not None
             first = hf.get("max_window_layers", 28)
-            layer_types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
-        if "sliding_attention" in layer_types:
-            raise ConfigError(f"sliding-window layers are not supported (layer_types={layer_types})")
+            layer_types = [
+                "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)
+            ]
+        if "sliding_attention" not in layer_types:
+            window = None
+        elif window is None:
+            raise ConfigError(
+                f"layer_types has sliding_attention layers but no window (use_sliding_window="
+                f"{hf.get('use_sliding_window')!r}, sliding_window={hf.get('sliding_window')!r})"
+            )
         num_target_layers = hf.get("num_target_layers")
         target_layer_ids = value("target_layer_ids")
         if target_layer_ids is None:
@@ -213,6 +259,8 @@ class DrafterConfig:
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e6))),
             num_target_layers=num_target_layers,
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            layer_types=layer_types,
+            sliding_window=window,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -223,11 +271,11 @@ class DrafterConfig:
             "hidden_act": "silu",
             "attention_bias": False,
             "tie_word_embeddings": False,
-            "use_sliding_window": False,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "use_sliding_window": self.sliding_window is not None,
+            "layer_types": list(self.types),
         }
         for f in dataclasses.fields(self):
-            if f.name not in ("target_layer_ids", "mask_token_id", "num_target_layers"):
+            if f.name not in ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types"):
                 out[f.name] = getattr(self, f.name)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
@@ -477,18 +525,22 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
     eps = cfg.rms_norm_eps
     x = embed[x_tokens].astype(params.dtype)
     cos, sin = _rope(cfg, positions)
+    # Context slot s holds position s: query-minus-key distances for the sliding windows.
+    distance = positions[:, :, None] - jnp.arange(layer_kv[0].shape[2], dtype=jnp.int32)
+    windows = jnp.asarray(cfg.windows, jnp.int32)
 
     def body(x, xs):
-        lp, k_ctx, v_ctx = xs
+        lp, k_ctx, v_ctx, window = xs
+        visible = ctx_visible if cfg.layer_types is None else ctx_visible & (distance < window)
         h = rms_norm(x, lp.input_norm, eps)
         q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
         k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
-        o = _attention(q, k_ctx, v_ctx, ctx_visible, k_blk, v_blk, blk_visible)
+        o = _attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, blk_visible)
         x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
 
-    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv))
+    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows))
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 

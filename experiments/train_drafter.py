@@ -16,6 +16,7 @@ OUT/distill.npy; resumable orbax states under OUT/ckpt_drafter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -31,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ddtree_jax import checkpoint, drafter, train
+from ddtree_jax.config import ConfigError
 from ddtree_jax.data import Tokenizer, prompt_windows
 from ddtree_jax.generate import generate
 
@@ -83,6 +85,13 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--taps", type=int, nargs="+", default=[1, 3, 5])
     ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="every drafter layer sees only the last W context positions (0 = full attention; default: "
+        "--init's setting, else full)",
+    )
     ap.add_argument("--gamma", type=float, default=7.0)
     ap.add_argument(
         "--distill-weight",
@@ -94,6 +103,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--eval-prompt-len", type=int, default=64, help="validation prompt length for the tau evals")
     ap.add_argument("--eval-budget", type=int, default=32)
     ap.add_argument("--max-minutes", type=float, default=1e9)
     ap.add_argument(
@@ -124,6 +134,19 @@ def main():
         target_layer_ids=tuple(args.taps),
         intermediate_size=args.intermediate,
     )
+
+    def with_window(cfg):
+        if args.sliding_window is None:
+            return cfg
+        if args.sliding_window == 0:
+            return dataclasses.replace(cfg, layer_types=None, sliding_window=None)
+        types = ("sliding_attention",) * cfg.num_hidden_layers
+        try:
+            return dataclasses.replace(cfg, layer_types=types, sliding_window=args.sliding_window)
+        except ConfigError as e:
+            sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
+
+    dcfg = with_window(dcfg)
     train_stream = np.load(os.path.join(args.data, "train.npy"), mmap_mode="r")
     val_stream = np.load(os.path.join(args.data, "validation.npy"))
 
@@ -137,11 +160,12 @@ def main():
         np.save(distill_path, seqs)
     distill_time = time.time() - t0
     print(f"distillation data {seqs.shape} in {distill_time:.0f}s")
-    eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.prompt_len, seed=1)
+    eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.eval_prompt_len, seed=1)
 
     if args.init:
         params = drafter.load_drafter(args.init, dtype=jnp.float32)
-        dcfg = params.config
+        dcfg = with_window(params.config)
+        params = params.replace(config=dcfg)
         print(f"initialised from {args.init}")
     else:
         params = drafter.init_params(dcfg, jax.random.PRNGKey(args.seed))

@@ -105,7 +105,10 @@ def ref_rope(x, pos, theta):  # x [T, N, hd], pos [T]
 
 
 def ref_draft(w, cfg, features, ctx_pos, embed, unembed, tokens, pos):
-    """One row: features [L, n_taps*H] at ctx_pos [L]; block tokens/pos [T] -> logits [T-1, V]."""
+    """One row: features [L, n_taps*H] at ctx_pos [L]; block tokens/pos [T] -> logits [T-1, V].
+
+    A sliding layer (HF Qwen3 rule) hides context keys with q - k >= sliding_window.
+    """
     eps, hd, nq, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     w = {k: np.asarray(a, np.float64) for k, a in w.items()}
     ctx = ref_rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
@@ -126,6 +129,9 @@ def ref_draft(w, cfg, features, ctx_pos, embed, unembed, tokens, pos):
         k = np.repeat(np.concatenate([kc, kb]), nq // nkv, axis=1)  # HF repeat_kv
         v = np.repeat(np.concatenate([vc, vb]), nq // nkv, axis=1)
         s = np.einsum("tnd,snd->nts", q, k) * hd**-0.5
+        if cfg.types[i] == "sliding_attention":
+            far = pos[:, None] - ctx_pos[None, :] >= cfg.sliding_window  # [T, L]
+            s[:, :, : len(ctx_pos)] = np.where(far[None], -np.inf, s[:, :, : len(ctx_pos)])
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
         o = np.einsum("nts,snd->tnd", a, v).reshape(t, nq * hd)
@@ -136,7 +142,13 @@ def ref_draft(w, cfg, features, ctx_pos, embed, unembed, tokens, pos):
     return ref_rms(x, w["norm.weight"], eps)[1:] @ unembed.astype(np.float64)
 
 
-def test_draft_matches_float64_reference(params, inputs, tmp_path):
+# Layer 1 slides with window 8: row 1 (11 context tokens) loses its oldest keys there.
+SLIDING = dataclasses.replace(CFG, layer_types=("full_attention", "sliding_attention"), sliding_window=8)
+
+
+@pytest.mark.parametrize("cfg", [CFG, SLIDING], ids=["full", "sliding"])
+def test_draft_matches_float64_reference(cfg, inputs, tmp_path):
+    params = random_params(cfg)
     drafter.save_drafter_hf(params, tmp_path)
     hf = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     got = draft_logits(params, context_cache(params, inputs["features"]), inputs)
@@ -145,7 +157,7 @@ def test_draft_matches_float64_reference(params, inputs, tmp_path):
     for b, n in enumerate(LENGTHS):
         want = ref_draft(
             hf,
-            CFG,
+            cfg,
             inputs["features"][b, :n].astype(np.float64),
             np.arange(n),
             inputs["embed"],
@@ -155,6 +167,19 @@ def test_draft_matches_float64_reference(params, inputs, tmp_path):
         )
         assert np.abs(want).max() > 1.0  # logits far from flat: the comparison has teeth
         np.testing.assert_allclose(got[b], want, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_hides_exactly_the_far_context(inputs):
+    """Row 1's block sits at 11 .. 16: a window of 8 hides context 0 .. 3 from all its queries."""
+    full = random_params(CFG)
+    sliding = full.replace(config=dataclasses.replace(SLIDING, layer_types=("sliding_attention",) * 2))
+    garbage = inputs["features"].copy()
+    garbage[1, :4] = 5 * np.random.default_rng(9).normal(size=garbage[1, :4].shape)
+    for params, hidden in ((sliding, True), (full, False)):
+        clean = draft_logits(params, context_cache(params, inputs["features"]), inputs)
+        noisy = draft_logits(params, context_cache(params, garbage), inputs)
+        np.testing.assert_array_equal(clean[0], noisy[0])  # row 0 untouched
+        assert np.array_equal(clean[1], noisy[1]) == hidden
 
 
 def test_bf16_params_run_close_to_float32(params, inputs):
@@ -338,6 +363,22 @@ def test_config_round_trip(cfg):
     assert DrafterConfig.from_hf_config(json.loads(json.dumps(cfg.to_hf_config()))) == cfg
 
 
+def test_sliding_window_configs():
+    """Qwen3Config's rules: the window needs use_sliding_window; absent layer_types slide from max_window_layers."""
+    hf = {**PUBLISHED, "layer_types": None, "use_sliding_window": True, "sliding_window": 2048, "max_window_layers": 2}
+    cfg = DrafterConfig.from_hf_config(hf)
+    assert cfg.types == ("full_attention",) * 2 + ("sliding_attention",) * 3
+    assert cfg.windows == (2**31 - 1,) * 2 + (2048,) * 3
+    assert DrafterConfig.from_hf_config(json.loads(json.dumps(cfg.to_hf_config()))) == cfg
+    # A window without use_sliding_window is ignored by HF, as here.
+    assert DrafterConfig.from_hf_config({**PUBLISHED, "sliding_window": 2048}) == PUBLISHED_CFG
+    with pytest.raises(ConfigError, match="no layer is sliding_attention"):
+        dataclasses.replace(CFG, sliding_window=8)
+    # All-full layer types are normalised away, so replace() can change the depth.
+    assert dataclasses.replace(CFG, layer_types=("full_attention",) * 2) == CFG
+    assert dataclasses.replace(CFG, num_hidden_layers=3).types == ("full_attention",) * 3
+
+
 def test_transformers5_rope_parameters():
     hf = {k: v for k, v in PUBLISHED.items() if k not in ("rope_theta", "rope_scaling")}
     hf["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
@@ -365,8 +406,10 @@ def test_default_target_layer_ids(layers, targets, want):
         ({"attention_bias": True}, "attention_bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "yarn"),
-        ({"layer_types": ["sliding_attention"] * 5}, "sliding"),
-        ({"layer_types": None, "use_sliding_window": True, "sliding_window": 2048, "max_window_layers": 2}, "sliding"),
+        ({"layer_types": ["sliding_attention"] * 5}, "sliding_attention layers but no window"),
+        ({"layer_types": ["sliding_attention"] * 5, "use_sliding_window": True, "sliding_window": 8}, "block_size=16"),
+        ({"layer_types": ["full_attention"] * 4}, "one type per layer"),
+        ({"layer_types": ["chunked_attention"] * 5}, "chunked_attention"),
         ({"dflash_config": {"target_layer_ids": [1, 9]}}, "mask_token_id"),
         ({"dflash_config": {"mask_token_id": 151936, "target_layer_ids": [1]}}, "mask_token_id=151936"),
         ({"dflash_config": {"mask_token_id": 0, "target_layer_ids": []}}, "target_layer_ids"),
@@ -407,8 +450,10 @@ def test_drafter_config_for_defaults():
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 1, 16)
 
 
-def test_train_logits_equal_inference_drafts_per_anchor(params):
+@pytest.mark.parametrize("cfg", [CFG, SLIDING], ids=["full", "sliding"])
+def test_train_logits_equal_inference_drafts_per_anchor(cfg):
     """Each anchored block of the training forward == `draft` with the context before its anchor."""
+    params = random_params(cfg)
     rng = np.random.default_rng(3)
     b, t, h, v = 2, 20, CFG.hidden_size, CFG.vocab_size
     tokens = rng.integers(0, v - 1, size=(b, t)).astype(np.int32)

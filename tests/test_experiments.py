@@ -1,0 +1,90 @@
+"""Experiment scripts end to end at toy sizes, so that a GPU run does not die on a CLI slip."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+
+from ddtree_jax import drafter
+from ddtree_jax.data import Tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A miniature prepared-data folder: the shipped tokenizer, two stdlib files as token streams."""
+    out = tmp_path_factory.mktemp("data")
+    shutil.copy(os.path.join(REPO, "checkpoints", "tokenizer.json"), out / "tokenizer.json")
+    tok = Tokenizer.load(str(out / "tokenizer.json"))
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for split, name in (("train", "textwrap.py"), ("validation", "shlex.py")):
+        with open(os.path.join(stdlib, name)) as f:
+            np.save(out / f"{split}.npy", np.asarray(tok.encode(f.read()), np.int32))
+    return out
+
+
+def run_script(name, *args):
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "experiments", name), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_train_drafter_resumes_shipped_drafter_with_a_sliding_window(data_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = run_script(
+        "train_drafter.py",
+        *("--data", data_dir, "--target", os.path.join(REPO, "checkpoints", "target"), "--out", out),
+        *("--init", os.path.join(REPO, "checkpoints", "drafter"), "--sliding-window", 64),
+        *("--prompts", 4, "--gen-len", 40, "--gen-batch", 4, "--steps", 2, "--batch", 2, "--anchors", 2),
+        *("--eval-every", 2, "--eval-prompts", 2, "--eval-prompt-len", 96, "--distill-weight", 0.5),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = drafter.load_drafter(out / "drafter")
+    assert trained.config.types == ("sliding_attention",) * trained.config.num_hidden_layers
+    assert trained.config.sliding_window == 64
+    with open(out / "drafter_metrics.json") as f:
+        metrics = json.load(f)
+    assert metrics["steps_done"] == 2
+    assert metrics["distill_shape"] == [4, 64 + 40]
+    assert [e["step"] for e in metrics["evals"]] == [2]
+    assert metrics["evals"][0]["tau_dflash"] >= 1.0
+    assert (out / "drafter_best" / "config.json").exists()
+
+
+def test_train_drafter_rejects_a_window_below_the_block(data_dir, tmp_path):
+    proc = run_script(
+        "train_drafter.py",
+        *("--data", data_dir, "--target", os.path.join(REPO, "checkpoints", "target"), "--out", tmp_path),
+        *("--sliding-window", 8, "--steps", 1),
+    )
+    assert proc.returncode != 0
+    assert "--sliding-window 8" in proc.stderr and "block_size=16" in proc.stderr
+
+
+def test_drafter_tau_script_compares_windows(data_dir, tmp_path):
+    shipped = os.path.join(REPO, "checkpoints", "drafter")
+    proc = run_script(
+        "drafter_tau.py",
+        *("--drafters", shipped, f"{shipped}@32", "--data", data_dir, "--prompts", "validation"),
+        *("--prompt-lens", 20, 40, "--num-prompts", 2, "--budgets", 4, "--max-new-tokens", 8),
+        *("--out", tmp_path / "tau.json"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "tau.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(r["drafter"].endswith("@32"), r["prompt_len"]) for r in rows] == [
+        (False, 20),
+        (False, 40),
+        (True, 20),
+        (True, 40),
+    ]
+    assert all(1.0 <= r["chain"] <= 8 and 1.0 <= r["ddtree4"] <= 8 for r in rows)
