@@ -84,7 +84,7 @@ def accept(tree: trees.DraftTree, choices: jax.Array) -> Acceptance:
 
     zeros = jnp.zeros((b,), jnp.int32)
     init = (zeros, zeros + 1, jnp.ones((b,), jnp.bool_), jnp.zeros((b, dp), jnp.int32))
-    cur, length, _, path = jax.lax.fori_loop(0, tree.max_depth, down, init)
+    cur, length, _, path = jax.lax.fori_loop(0, tree.max_depth, down, init, unroll=True)  # no per-depth device loop
     bonus = jnp.take_along_axis(choices, cur[:, None], 1)[:, 0]
     return Acceptance(path=path, length=length, bonus=bonus)
 

@@ -491,6 +491,18 @@ def _keys_values(
     return k, linear(x, lp.v)
 
 
+def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]:
+    """Every layer's context k, v [Ld, B, T, Nkv, hd] of context vectors ctx [B, T, H]."""
+    # An unrolled scan: per-layer dots stay unbatched (XLA:CPU lacks batched bf16 dots), and no
+    # device loop runs (each GPU loop iteration costs a launch and a host round trip).
+    cfg = params.config
+
+    def body(_, lp):
+        return None, _keys_values(cfg, lp, ctx, cos, sin)
+
+    return jax.lax.scan(body, None, params.layers, unroll=True)[1]
+
+
 def _attention(
     q: jax.Array,  # [B, T, Nq, hd]
     k_ctx: jax.Array,  # [B, S, Nkv, hd]
@@ -540,7 +552,7 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
 
-    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows))
+    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows), unroll=True)  # few layers: no device loop
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 
@@ -577,8 +589,7 @@ def extend_context(
     with jax.named_scope("drafter_context"):
         ctx = rms_norm(linear(features.astype(params.dtype), params.fc), params.hidden_norm, cfg.rms_norm_eps)
         cos, sin = _rope(cfg, positions)
-        # lax.map (a scan) keeps the per-layer dots unbatched (XLA:CPU lacks batched bf16 dots).
-        k, v = jax.lax.map(lambda lp: _keys_values(cfg, lp, ctx, cos, sin), params.layers)
+        k, v = _per_layer_keys_values(params, ctx, cos, sin)
         slots = jnp.where(valid, positions, cache.capacity)
         cache = cache.write(k, v, slots)
         return cache.replace(lengths=cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
@@ -649,7 +660,7 @@ def train_logits(
         ctx = rms_norm(linear(features.astype(params.dtype), params.fc), params.hidden_norm, cfg.rms_norm_eps)
         ctx_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cos, sin = _rope(cfg, ctx_pos)
-        layer_kv = jax.lax.map(lambda lp: _keys_values(cfg, lp, ctx, cos, sin), params.layers)
+        layer_kv = _per_layer_keys_values(params, ctx, cos, sin)
         blk = (
             jnp.full((b, a, bs), cfg.mask_token_id, jnp.int32).at[:, :, 0].set(jnp.take_along_axis(tokens, anchors, 1))
         )

@@ -161,7 +161,8 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int) -> Draf
             )
             return (score, ranks, by_score), (score, tok, ranks, parent_slot)
 
-        _, deeper = jax.lax.scan(level, (score, ranks, slots), jnp.arange(1, d))
+        # Unrolled: a GPU loop would pay a launch and a host round trip per level.
+        _, deeper = jax.lax.scan(level, (score, ranks, slots), jnp.arange(1, d), unroll=True)
 
         # Levels stacked depth-major: candidate id = depth * W + slot.
         def stack(first, rest):
