@@ -37,8 +37,9 @@ and 18 KiB for down, so about 100 KiB at 3 stages. H and I that are not multiple
 the tiles are zero-padded in XLA, which copies the expert weights on every call:
 Kimi-K2 (H = 7168, I = 2048) needs no padding with the default tiles.
 
-Checked against the reference in interpret mode on the CPU (tests/test_moe_kernel.py);
-it has not been compiled on a GPU yet.
+Checked against the reference in interpret mode on the CPU (tests/test_moe_kernel.py).
+On an H200 with Kimi-K2 expert shapes it runs at up to 92% of HBM bandwidth and beats the
+XLA path from 33 tokens on (docs/benchmarks.md, "Pallas MoE kernel").
 """
 
 from __future__ import annotations
