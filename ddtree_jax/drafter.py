@@ -164,6 +164,17 @@ class DrafterConfig:
     def n_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    def with_sliding_window(self, window: int | None) -> DrafterConfig:
+        """This config with every layer sliding over the last `window` positions (None or 0: all full).
+
+        Raises:
+            ConfigError: window < block_size.
+        """
+        if not window:
+            return dataclasses.replace(self, layer_types=None, sliding_window=None)
+        types = ("sliding_attention",) * self.num_hidden_layers
+        return dataclasses.replace(self, layer_types=types, sliding_window=window)
+
     @property
     def windows(self) -> tuple[int, ...]:
         """Per layer: how far back (q - k < window) a query sees context; full layers get 2**31 - 1."""

@@ -14,7 +14,6 @@ length; --out writes them all.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -33,19 +32,8 @@ def load(spec: str, dtype):
     path, _, window = spec.partition("@")
     params = drafter.load_drafter(path, dtype=dtype)
     if window:
-        cfg = params.config
-        types = ("sliding_attention",) * cfg.num_hidden_layers
-        params = params.replace(config=dataclasses.replace(cfg, layer_types=types, sliding_window=int(window)))
+        params = params.replace(config=params.config.with_sliding_window(int(window)))
     return params
-
-
-def humaneval(tok, data_dir: str) -> list[list[int]]:
-    try:
-        texts = data.humaneval_prompts()
-    except ImportError:
-        with open(os.path.join(data_dir, "humaneval_prompts.json")) as f:
-            texts = json.load(f)
-    return [tok.encode(t, bos=True) for t in texts]
 
 
 def main():
@@ -66,7 +54,7 @@ def main():
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.dtype(args.dtype))
     if args.prompts == "humaneval":
-        sets = {None: humaneval(tok, args.data)}
+        sets = {None: [tok.encode(t, bos=True) for t in data.load_humaneval_prompts(args.data)]}
     else:
         stream = np.load(os.path.join(args.data, "validation.npy"))
         sets = {n: data.prompt_windows(stream, args.num_prompts, n, seed=1).tolist() for n in args.prompt_lens}
@@ -75,17 +63,12 @@ def main():
     for spec in args.drafters:
         params = load(spec, jnp.dtype(args.dtype))
         for length, prompts in sets.items():
-            width = max(len(p) for p in prompts)
-            ids = np.zeros((len(prompts), width), np.int32)
-            for i, p in enumerate(prompts):
-                ids[i, : len(p)] = p
             row = {"drafter": spec, "prompts": args.prompts, "prompt_len": length, "n": len(prompts)}
             for method, budget in runs:
                 res = generate(
                     target,
                     params,
-                    ids,
-                    prompt_lengths=[len(p) for p in prompts],
+                    prompts,
                     method=method,
                     tree_budget=budget,
                     max_new_tokens=args.max_new_tokens,

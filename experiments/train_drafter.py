@@ -16,7 +16,6 @@ OUT/distill.npy; resumable orbax states under OUT/ckpt_drafter.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -138,11 +137,8 @@ def main():
     def with_window(cfg):
         if args.sliding_window is None:
             return cfg
-        if args.sliding_window == 0:
-            return dataclasses.replace(cfg, layer_types=None, sliding_window=None)
-        types = ("sliding_attention",) * cfg.num_hidden_layers
         try:
-            return dataclasses.replace(cfg, layer_types=types, sliding_window=args.sliding_window)
+            return cfg.with_sliding_window(args.sliding_window)
         except ConfigError as e:
             sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 

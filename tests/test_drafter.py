@@ -374,6 +374,11 @@ def test_sliding_window_configs():
     assert DrafterConfig.from_hf_config({**PUBLISHED, "sliding_window": 2048}) == PUBLISHED_CFG
     with pytest.raises(ConfigError, match="no layer is sliding_attention"):
         dataclasses.replace(CFG, sliding_window=8)
+    # with_sliding_window: every layer slides; None / 0 back to full.
+    assert CFG.with_sliding_window(8) == dataclasses.replace(SLIDING, layer_types=("sliding_attention",) * 2)
+    assert CFG.with_sliding_window(8).with_sliding_window(0) == CFG.with_sliding_window(None) == CFG
+    with pytest.raises(ConfigError, match="block_size=6"):
+        CFG.with_sliding_window(4)
     # All-full layer types are normalised away, so replace() can change the depth.
     assert dataclasses.replace(CFG, layer_types=("full_attention",) * 2) == CFG
     assert dataclasses.replace(CFG, num_hidden_layers=3).types == ("full_attention",) * 3

@@ -5,7 +5,6 @@ Greedy comparisons run in float32: in bfloat16 the verify forward (many tokens a
 and an AR step (one token) round differently, so greedy paths may split at near-ties.
 """
 
-import dataclasses
 import json
 import os
 import sysconfig
@@ -114,7 +113,7 @@ def test_sliding_window_keeps_the_drafter_accepting_on_long_prompts(shipped):
     for name in ("textwrap.py", "shlex.py", "fnmatch.py"):
         with open(os.path.join(stdlib, name)) as f:
             ids.append(shipped.tokenizer.encode(f.read(), bos=True)[:400])
-    cfg = dataclasses.replace(shipped.drafter.config, layer_types=None, sliding_window=None)
+    cfg = shipped.drafter.config.with_sliding_window(None)
     taus = {}
     for name, params in (("window", shipped.drafter), ("full", shipped.drafter.replace(config=cfg))):
         res = generate(shipped.target, params, ids, method="dflash", max_new_tokens=NEW_TOKENS, stop_token_ids=())
