@@ -10,16 +10,25 @@ lexicographically ascending, shorter prefix first), which is the order the
 reference's best-first heap pops them in. That set is prefix-closed, so it is a
 tree, and nodes listed in that order have parent index < child index.
 
-`build_ddtree` finds it without a heap: the best `budget` paths of depth d extend
-only the best `budget` paths of depth d - 1 (any path that beats a parent gives a
-child that beats its child), so a beam of width `budget` over the depths, then one
-merge across depths, is exact. Each depth extends only the ~budget * ln(budget)
-(parent, rank) pairs that can still make the beam (`_eligible`) and sorts them by
-(score, lexicographic id): a few small sorts per depth, not a top-k over
-budget * K candidates (at budget 64 the largest stage of a round on the H200).
+`build_ddtree` finds it without a heap, in one of two exact ways:
+- Enumeration (budgets up to 64 at D = 15): a path is in the tree only if fewer than
+  `budget` paths precede it. Every path of depth j <= d whose ranks are <= the path's
+  first j ranks precedes it (or is it), and there are sum_j prod_{i<=j}(r_i + 1) of
+  them, so only paths with that sum <= budget are eligible. That set is small (3576
+  paths at budget 32, 29934 at 64) and fixed for (budget, D, K): it is listed once on
+  the host in lexicographic order, and on the device a round scores all of it at once
+  and keeps a stable top-`budget`: a handful of kernels instead of a loop over depths.
+- Beam (larger budgets): the best `budget` paths of depth d extend only the best
+  `budget` paths of depth d - 1 (any path that beats a parent gives a child that beats
+  its child), so a beam of width `budget` over the depths, then one merge across
+  depths, is exact. Each depth extends only the ~budget * ln(budget) (parent, rank)
+  pairs that can still make the beam (`_eligible`) and sorts them by (score,
+  lexicographic id).
 """
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
@@ -28,6 +37,8 @@ import numpy as np
 from flax import struct
 
 MAX_BUDGET = 1024
+# Enumerate eligible rank paths up to this many (a [P, D] int32 constant in the program).
+MAX_ENUMERATED_PATHS = 1 << 15
 
 
 @struct.dataclass
@@ -107,13 +118,156 @@ def _eligible(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return p.astype(np.int32), j.astype(np.int32)
 
 
-def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int) -> DraftTree:
+@functools.lru_cache(maxsize=32)
+def _eligible_paths(budget: int, d: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Every rank path with sum_j prod_{i<=j}(r_i + 1) <= budget, depth <= d, ranks < k.
+
+    Returns (ranks [P, d] with -1 past the path's depth, depth [P], parent [P] index of
+    the path's parent or -1), paths in lexicographic order with prefixes first (the
+    tie order of the pop order); None when there are more than MAX_ENUMERATED_PATHS.
+    """
+    r = np.arange(min(k, budget), dtype=np.int64)
+    ranks = np.full((len(r), d), -1, np.int64)
+    ranks[:, 0] = r
+    prod = count = r + 1
+    levels = [(ranks, np.full(len(r), -1, np.int64))]  # (ranks, parent index in the previous level)
+    total = len(r)
+    for j in range(1, d):
+        n_child = np.clip((budget - count) // prod, 0, k)  # ranks r with count + prod (r + 1) <= budget
+        if not n_child.any():
+            break
+        parent = np.repeat(np.arange(len(prod)), n_child)
+        rank = np.arange(n_child.sum()) - np.repeat(np.cumsum(n_child) - n_child, n_child)
+        ranks = ranks[parent]
+        ranks[:, j] = rank
+        prod = prod[parent] * (rank + 1)
+        count = count[parent] + prod
+        levels.append((ranks, parent + total - len(levels[-1][0])))
+        total += len(rank)
+        if total > MAX_ENUMERATED_PATHS:
+            return None
+    ranks = np.concatenate([q for q, _ in levels])
+    parents = np.concatenate([p for _, p in levels])
+    depth = np.concatenate([np.full(len(q), i + 1) for i, (q, _) in enumerate(levels)])
+    order = np.lexsort([ranks[:, j] for j in reversed(range(d))])  # -1 sorts first: prefixes first
+    new_index = np.empty(total, np.int64)
+    new_index[order] = np.arange(total)
+    parents = np.where(parents[order] >= 0, new_index[np.maximum(parents[order], 0)], -1)
+    return ranks[order].astype(np.int32), depth[order].astype(np.int32), parents.astype(np.int32)
+
+
+def _finish(roots, top_tok, node_ranks, node_depth, node_parent, index_of, valid) -> DraftTree:
+    """Tree arrays from the chosen nodes in pop order.
+
+    node_ranks [B, n, D] (-1 past each depth), node_depth [B, n] (1-based),
+    node_parent [B, n] the parent's candidate id (-1 at depth 1), index_of [B, C]
+    candidate id -> tree index (0 = not chosen).
+    """
+    b, _, d = node_ranks.shape
+    last = jnp.take_along_axis(node_ranks, (node_depth - 1)[:, :, None], 2)[:, :, 0]
+    flat_tok = top_tok.reshape(b, -1)
+    node_tok = jnp.take_along_axis(flat_tok, (node_depth - 1) * top_tok.shape[2] + jnp.maximum(last, 0), 1)
+    parents = jnp.where(node_parent >= 0, jnp.take_along_axis(index_of, jnp.maximum(node_parent, 0), 1), 0)
+    # j is an ancestor-or-self of i iff j's rank path is a prefix of i's (unused ranks are -1).
+    prefix = (node_ranks[:, None, :, :] < 0) | (node_ranks[:, :, None, :] == node_ranks[:, None, :, :])
+    return _assemble(roots, node_tok, parents, node_depth, valid, jnp.all(prefix, axis=-1), d)
+
+
+def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
+    """Scores every eligible path (`_eligible_paths`) and keeps a stable top-`budget`."""
+    ranks, depth, parent = paths
+    b, d, k = top_lp.shape
+    if len(depth) < budget:  # tiny vocab / depth: fewer paths than the budget, pad with -inf
+        extra = budget - len(depth)
+        ranks = np.concatenate([ranks, np.full((extra, d), -1, np.int32)])
+        depth = np.concatenate([depth, np.ones(extra, np.int32)])
+        parent = np.concatenate([parent, np.full(extra, -1, np.int32)])
+    lp = jnp.pad(top_lp, ((0, 0), (0, 0), (0, 1)))  # column k: log p 0 for depths past the path
+    cols = np.where(ranks < 0, k, ranks)
+    # Summed depth by depth, in the order a parent's score plus its child's log p rounds.
+    score = lp[:, 0, cols[:, 0]]
+    for j in range(1, d):
+        score = score + lp[:, j, cols[:, j]]
+    score = jnp.where(jnp.asarray(ranks[:, 0] >= 0), score, -jnp.inf)
+    # Stable: equal scores keep lexicographic order, which is the pop order's tie-break.
+    node_score, order = jax.lax.top_k(score, budget)
+    rows = jnp.arange(b)[:, None]
+    index_of = jnp.zeros(score.shape, jnp.int32).at[rows, order].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    return _finish(
+        roots,
+        top_tok,
+        jnp.asarray(ranks)[order],
+        jnp.asarray(depth)[order],
+        jnp.asarray(parent)[order],
+        index_of,
+        jnp.isfinite(node_score),
+    )
+
+
+def _build_beam(top_lp, top_tok, roots, budget) -> DraftTree:
+    """A beam of width `budget` over the depths, then one merge across depths."""
+    b, d, k = top_lp.shape
+    # Depth 1: rank order is lexicographic order. Beam slots past K are padding (-inf).
+    pad = budget - k
+    score = jnp.pad(top_lp[:, 0], ((0, 0), (0, pad)), constant_values=-jnp.inf)  # [B, W], W = budget
+    ranks = jnp.full((b, budget, d), -1, jnp.int32).at[:, :k, 0].set(jnp.arange(k, dtype=jnp.int32))
+    parent_slot = jnp.full((b, budget), -1, jnp.int32)
+
+    ep, ej = _eligible(budget, k)
+    rows = jnp.arange(b)[:, None]
+    slots = jnp.broadcast_to(jnp.arange(budget, dtype=jnp.int32), (b, budget))
+
+    def level(carry, depth):
+        score, ranks, by_score = carry  # beam in lexicographic order; by_score[q] = slot of the q-th best
+        lp = jax.lax.dynamic_index_in_dim(top_lp, depth, axis=1, keepdims=False)  # [B, K]
+        parent = by_score[:, ep]  # [B, M]
+        cand = jnp.take_along_axis(score, parent, 1) + lp[:, ej]
+        # Candidate id parent * K + rank is its lexicographic order: sort by (score desc, id asc).
+        neg, ids = jax.lax.sort((-cand, parent * k + ej), num_keys=2)
+        flat = jnp.where(jnp.isfinite(neg[:, :budget]), ids[:, :budget], budget * k)  # padding sorts last
+        flat, score_pos = jax.lax.sort((flat, slots), num_keys=1)  # back to lexicographic order
+        by_score = jnp.zeros_like(slots).at[rows, score_pos].set(slots)
+        parent_slot = jnp.minimum(flat // k, budget - 1).astype(jnp.int32)
+        rank = (flat % k).astype(jnp.int32)
+        live = flat < budget * k
+        score = jnp.where(live, jnp.take_along_axis(score, parent_slot, 1) + jnp.take_along_axis(lp, rank, 1), -jnp.inf)
+        ranks = jnp.take_along_axis(ranks, parent_slot[:, :, None], 1).at[:, :, depth].set(jnp.where(live, rank, -1))
+        # Parent as a candidate id of the stacked levels below: (depth - 1) * W + slot.
+        return (score, ranks, by_score), (score, ranks, (depth - 1) * budget + parent_slot)
+
+    # Unrolled: a GPU loop would pay a launch and a host round trip per level.
+    _, deeper = jax.lax.scan(level, (score, ranks, slots), jnp.arange(1, d), unroll=True)
+
+    # Levels stacked depth-major: candidate id = depth * W + slot.
+    def stack(first, rest):
+        both = jnp.concatenate([first[None], rest], axis=0)  # [D, B, W, ...]
+        return jnp.moveaxis(both, 0, 1).reshape((b, d * budget, *first.shape[2:]))
+
+    all_score, all_ranks, all_parent = (stack(f, r) for f, r in zip((score, ranks, parent_slot), deeper, strict=True))
+    # Merge the depths: order by (score desc, rank path asc).
+    keys = [all_ranks[..., j] for j in reversed(range(d))] + [-all_score]
+    order = jnp.lexsort(keys, axis=-1)[:, :budget]  # [B, budget] candidate ids in pop order
+    index_of = jnp.zeros((b, d * budget), jnp.int32).at[rows, order].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    return _finish(
+        roots,
+        top_tok,
+        jnp.take_along_axis(all_ranks, order[:, :, None], 1),
+        order // budget + 1,
+        jnp.take_along_axis(all_parent, order, 1),
+        index_of,
+        jnp.isfinite(jnp.take_along_axis(all_score, order, 1)),
+    )
+
+
+def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int, *, method: str = "auto") -> DraftTree:
     """DDTree's best tree of `budget` nodes from per-depth drafter logits.
 
     Args:
       draft_logits: [B, D, V] drafter logits for depths 1..D (any float dtype).
       roots: [B] the root tokens.
       budget: node budget, root not counted (1..MAX_BUDGET).
+      method: "enumerate", "beam" or "auto" (enumerate when the eligible paths
+        number at most MAX_ENUMERATED_PATHS); both give the same tree.
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -121,75 +275,17 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int) -> Draf
       the rest is padding.
     """
     check_budget(budget)
+    if method not in ("auto", "enumerate", "beam"):
+        raise ValueError(f"method must be 'auto', 'enumerate' or 'beam', got {method!r}")
     b, d, v = draft_logits.shape
     chex.assert_shape(roots, (b,))
     budget, k = int(budget), min(int(budget), v)
+    paths = _eligible_paths(budget, d, k) if method != "beam" else None
+    if method == "enumerate" and paths is None:
+        raise ValueError(f"budget {budget} at depth {d} has more than {MAX_ENUMERATED_PATHS} eligible paths")
     with jax.named_scope("build_tree"):
         logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
         top_lp, top_tok = jax.lax.top_k(logp, k)  # [B, D, K], ranks sorted descending
-
-        # Depth 1: rank order is lexicographic order. Beam slots past K are padding (-inf).
-        pad = budget - k
-        score = jnp.pad(top_lp[:, 0], ((0, 0), (0, pad)), constant_values=-jnp.inf)  # [B, W], W = budget
-        tok = jnp.pad(top_tok[:, 0], ((0, 0), (0, pad)))
-        ranks = jnp.full((b, budget, d), -1, jnp.int32).at[:, :k, 0].set(jnp.arange(k, dtype=jnp.int32))
-        parent_slot = jnp.zeros((b, budget), jnp.int32)
-
-        ep, ej = _eligible(budget, k)
-        rows = jnp.arange(b)[:, None]
-        slots = jnp.broadcast_to(jnp.arange(budget, dtype=jnp.int32), (b, budget))
-
-        def level(carry, depth):
-            score, ranks, by_score = carry  # beam in lexicographic order; by_score[q] = slot of the q-th best
-            lp = jax.lax.dynamic_index_in_dim(top_lp, depth, axis=1, keepdims=False)  # [B, K]
-            parent = by_score[:, ep]  # [B, M]
-            cand = jnp.take_along_axis(score, parent, 1) + lp[:, ej]
-            # Candidate id parent * K + rank is its lexicographic order: sort by (score desc, id asc).
-            neg, ids = jax.lax.sort((-cand, parent * k + ej), num_keys=2)
-            flat = jnp.where(jnp.isfinite(neg[:, :budget]), ids[:, :budget], budget * k)  # padding sorts last
-            flat, score_pos = jax.lax.sort((flat, slots), num_keys=1)  # back to lexicographic order
-            by_score = jnp.zeros_like(slots).at[rows, score_pos].set(slots)
-            parent_slot = jnp.minimum(flat // k, budget - 1).astype(jnp.int32)
-            rank = (flat % k).astype(jnp.int32)
-            live = flat < budget * k
-            score = jnp.where(
-                live, jnp.take_along_axis(score, parent_slot, 1) + jnp.take_along_axis(lp, rank, 1), -jnp.inf
-            )
-            tok = jnp.take_along_axis(jax.lax.dynamic_index_in_dim(top_tok, depth, 1, keepdims=False), rank, 1)
-            ranks = (
-                jnp.take_along_axis(ranks, parent_slot[:, :, None], 1).at[:, :, depth].set(jnp.where(live, rank, -1))
-            )
-            return (score, ranks, by_score), (score, tok, ranks, parent_slot)
-
-        # Unrolled: a GPU loop would pay a launch and a host round trip per level.
-        _, deeper = jax.lax.scan(level, (score, ranks, slots), jnp.arange(1, d), unroll=True)
-
-        # Levels stacked depth-major: candidate id = depth * W + slot.
-        def stack(first, rest):
-            both = jnp.concatenate([first[None], rest], axis=0)  # [D, B, W, ...]
-            return jnp.moveaxis(both, 0, 1).reshape((b, d * budget, *first.shape[2:]))
-
-        all_score, all_tok, all_ranks, all_parent_slot = (
-            stack(f, r) for f, r in zip((score, tok, ranks, parent_slot), deeper, strict=True)
-        )
-        # Merge the depths: order by (score desc, rank path asc).
-        keys = [all_ranks[..., j] for j in reversed(range(d))] + [-all_score]
-        order = jnp.lexsort(keys, axis=-1)[:, :budget]  # [B, budget] candidate ids in pop order
-        node_depth = order // budget  # 0-based level
-        node_score = jnp.take_along_axis(all_score, order, 1)
-        valid = jnp.isfinite(node_score)
-        node_tok = jnp.take_along_axis(all_tok, order, 1)
-        # Tree index of every candidate (0 = not chosen), to turn parent slots into parent nodes.
-        index_of = (
-            jnp.zeros((b, d * budget), jnp.int32)
-            .at[jnp.arange(b)[:, None], order]
-            .set(jnp.arange(1, budget + 1, dtype=jnp.int32))
-        )
-        parent_id = jnp.where(
-            node_depth > 0, (node_depth - 1) * budget + jnp.take_along_axis(all_parent_slot, order, 1), -1
-        )
-        parents = jnp.where(parent_id >= 0, jnp.take_along_axis(index_of, jnp.maximum(parent_id, 0), 1), 0)
-        # j is an ancestor-or-self of i iff j's rank path is a prefix of i's (unused ranks are -1).
-        node_ranks = jnp.take_along_axis(all_ranks, order[:, :, None], 1)  # [B, budget, D]
-        prefix = (node_ranks[:, None, :, :] < 0) | (node_ranks[:, :, None, :] == node_ranks[:, None, :, :])
-        return _assemble(roots, node_tok, parents, node_depth + 1, valid, jnp.all(prefix, axis=-1), d)
+        if paths is not None:
+            return _build_enumerated(top_lp, top_tok, roots, budget, paths)
+        return _build_beam(top_lp, top_tok, roots, budget)

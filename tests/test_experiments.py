@@ -83,3 +83,26 @@ def test_drafter_tau_script_compares_windows(data_dir, tmp_path):
         rows = json.load(f)["rows"]
     assert [(r["drafter"].endswith("@32"), r["prompt_len"], r["n"]) for r in rows] == [(False, 20, 2), (True, 20, 2)]
     assert all(1.0 <= r["chain"] <= 8 and 1.0 <= r["ddtree4"] <= 8 for r in rows)
+
+
+def test_bench_tree_times_both_builders(tmp_path):
+    out = tmp_path / "tree.json"
+    res = run_script(
+        "bench_tree.py",
+        "--batch-sizes",
+        "1",
+        "--budgets",
+        "8",
+        "--depth",
+        "4",
+        "--vocab",
+        "64",
+        "--reps",
+        "2",
+        "--out",
+        out,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["enumerate", "beam"]
+    assert rows[0]["paths"] > 8 and all(r["build_ms"] > 0 for r in rows)

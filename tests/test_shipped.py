@@ -27,7 +27,7 @@ PROMPTS = (
     '    >>> running_max([1, 3, 2, 5])\n    [1, 3, 3, 5]\n    """\n',
     "import os\n",
 )
-# The shipped drafter gives tau 2.57 (DFlash chain), 3.12 (DDTree 16) and 3.82 (DDTree 64)
+# The shipped drafter gives tau 2.82 (DFlash chain), 3.52 (DDTree 16) and 3.88 (DDTree 64)
 # on PROMPTS in float32; random drafters (init_params, std 0.02 or 0.2, several seeds) give
 # 1.00-1.05.
 MIN_TRAINED_TAU = 2.5
@@ -105,8 +105,8 @@ def test_trained_drafter_accepts_more_than_random(shipped, prompt_ids, greedy):
 
 
 def test_sliding_window_keeps_the_drafter_accepting_on_long_prompts(shipped):
-    """400-token prompts, longer than any training context: the shipped window (128) keeps tau
-    (2.39 measured); the same weights attending to all context collapse to ~1 (1.04)."""
+    """400-token prompts, longer than any training context (320): the shipped window (128) keeps
+    tau (2.75 measured); the same weights attending to all context fall to 1.22."""
     assert shipped.drafter.config.sliding_window == 128
     stdlib = sysconfig.get_paths()["stdlib"]
     ids = []
@@ -118,7 +118,7 @@ def test_sliding_window_keeps_the_drafter_accepting_on_long_prompts(shipped):
     for name, params in (("window", shipped.drafter), ("full", shipped.drafter.replace(config=cfg))):
         res = generate(shipped.target, params, ids, method="dflash", max_new_tokens=NEW_TOKENS, stop_token_ids=())
         taus[name] = res.tau
-    assert taus["window"] > 1.8 and taus["full"] < 1.3, taus
+    assert taus["window"] > 2.2 and taus["full"] < 1.6, taus
 
 
 def test_cli_generate(capsys):

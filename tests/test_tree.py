@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from ddtree_jax import tree
 
-build = jax.jit(tree.build_ddtree, static_argnums=2)
+build = jax.jit(tree.build_ddtree, static_argnums=2, static_argnames="method")
+METHODS = ("enumerate", "beam")
 
 
 def reference_tree(logp: np.ndarray, budget: int):
@@ -39,10 +40,10 @@ def reference_tree(logp: np.ndarray, budget: int):
     return tokens, parents, depths
 
 
-def check_against_reference(logits: np.ndarray, budget: int):
+def check_against_reference(logits: np.ndarray, budget: int, method: str = "auto"):
     b, d, v = logits.shape
     roots = jnp.arange(b, dtype=jnp.int32) + 3
-    t = build(jnp.asarray(logits), roots, budget)
+    t = build(jnp.asarray(logits), roots, budget, method=method)
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     n_paths = sum(min(budget, v) ** i for i in range(1, d + 1))
     for row in range(b):
@@ -71,31 +72,75 @@ def check_visibility(parents, valid, vis):
         assert vis[i].tolist() == want.tolist(), i
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     d=st.integers(1, 4),
     v=st.integers(2, 6),
     budget=st.sampled_from([1, 2, 3, 5, 8, 15, 30]),
     levels=st.integers(1, 4),
     seed=st.integers(0, 2**31 - 1),
+    method=st.sampled_from(METHODS),
 )
-def test_matches_reference_with_ties(d, v, budget, levels, seed):
+def test_matches_reference_with_ties(d, v, budget, levels, seed, method):
     """Integer logits from a few levels make many exact ties within and across depths."""
     logits = np.random.default_rng(seed).integers(0, levels, size=(2, d, v)).astype(np.float32)
-    check_against_reference(logits, budget)
+    check_against_reference(logits, budget, method)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(("d", "v", "budget"), [(3, 7, 16), (4, 5, 64), (2, 300, 40), (5, 3, 100)])
-def test_matches_reference_random(d, v, budget):
+def test_matches_reference_random(d, v, budget, method):
     logits = np.random.default_rng(d * v + budget).normal(size=(3, d, v)).astype(np.float32) * 2
-    check_against_reference(logits, budget)
+    check_against_reference(logits, budget, method)
 
 
-def test_peaked_drafter_gives_zero_logprob_ties():
+@pytest.mark.parametrize("method", METHODS)
+def test_peaked_drafter_gives_zero_logprob_ties(method):
     """log p = 0 exactly: a child ties its parent and must still come after it."""
     logits = np.full((1, 3, 4), -200.0, np.float32)
     logits[0, :, 1] = 0.0
-    check_against_reference(logits, 5)
+    check_against_reference(logits, 5, method)
+
+
+@pytest.mark.parametrize("budget", [16, 33, 64])
+@pytest.mark.parametrize("levels", [3, None])
+def test_enumerate_equals_beam_at_drafter_shapes(budget, levels):
+    """Depth 15, vocab 512: too big for the brute force, so the two builders check each other
+    (with integer logits from 3 levels, ties everywhere; and with continuous logits)."""
+    rng = np.random.default_rng(budget)
+    logits = rng.integers(0, levels, (2, 15, 512)) * 2.0 if levels else rng.normal(size=(2, 15, 512))
+    logits[:, :, :3] += 9.0  # a few dominant tokens per depth (tied in the integer case): deep trees
+    logits = jnp.asarray(logits, jnp.float32)
+    roots = jnp.asarray([5, 6], jnp.int32)
+    a = build(logits, roots, budget, method="enumerate")
+    b = build(logits, roots, budget, method="beam")
+    for field in ("tokens", "parents", "depths", "valid", "visibility"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+    assert int(a.depths.max()) > 3  # deep enough to exercise many levels
+
+
+def test_eligible_paths_are_exactly_those_with_few_predecessors():
+    """The enumerated set: every rank path with sum_j prod_{i<=j}(r_i + 1) <= budget, in
+    lexicographic order (prefix first), each with its parent's index."""
+    for budget, d, k in [(5, 3, 2), (8, 4, 3), (16, 5, 16), (30, 4, 6)]:
+        ranks, depth, parent = tree._eligible_paths(budget, d, k)
+        want = []
+        for n in range(1, d + 1):
+            for path in itertools.product(range(k), repeat=n):
+                cost = np.cumprod(np.asarray(path) + 1).sum()
+                if cost <= budget:
+                    want.append(path)
+        got = [tuple(row[:n].tolist()) for row, n in zip(ranks, depth, strict=True)]
+        assert got == sorted(want)
+        assert all((p < 0) == (len(g) == 1) and (p < 0 or got[p] == g[:-1]) for g, p in zip(got, parent, strict=True))
+    assert tree._eligible_paths(128, 15, 128) is None  # past MAX_ENUMERATED_PATHS: the beam builds it
+
+
+def test_enumerate_refuses_budgets_it_cannot_list():
+    with pytest.raises(ValueError, match="eligible paths"):
+        tree.build_ddtree(jnp.zeros((1, 15, 256)), jnp.zeros((1,), jnp.int32), 128, method="enumerate")
+    with pytest.raises(ValueError, match="method"):
+        tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), 4, method="heap")
 
 
 @pytest.mark.parametrize("budget", [16, 64, 257, 1024])
