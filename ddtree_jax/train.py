@@ -242,10 +242,16 @@ def steps_that_fit(run_step, budget_s: float, probe: int = 12) -> tuple[int, flo
     return max(1, int(budget_s / per_step)), per_step
 
 
-def sample_anchors(rng: np.random.Generator, batch: int, anchors: int, low: int, high: int) -> np.ndarray:
-    """[batch, anchors] int32 anchor positions drawn uniformly from [low, high]."""
-    if high < low:
-        raise ValueError(f"no room for anchors: low={low} > high={high}")
+def sample_anchors(rng: np.random.Generator, batch: int, anchors: int, low, high: int) -> np.ndarray:
+    """[batch, anchors] int32 anchor positions drawn uniformly from [low, high].
+
+    low: an int, or one per row ([batch]; rows whose prompts differ in length).
+    """
+    low = np.asarray(low)
+    if np.any(high < low):
+        raise ValueError(f"no room for anchors: low={low.max()} > high={high}")
+    if low.ndim:
+        low = low[:, None]
     return rng.integers(low, high + 1, size=(batch, anchors)).astype(np.int32)
 
 

@@ -3,14 +3,17 @@
     python experiments/train_drafter.py --data data --target out/target --out out/drafter_run --steps 3000
 
 1. Prompts: random windows of the train split; the target's own greedy
-   continuations of them (batched `generate`) are the training data.
+   continuations of them (batched `generate`) are the training data. Several
+   --prompt-len values split the prompts evenly between those lengths; every
+   sequence is max(--prompt-len) + --gen-len tokens (shorter prompts get longer
+   continuations), and anchors fall in each row's own continuation.
 2. DFlash recipe: random anchors in the response, blocks of `block_size`
    ([anchor, MASK ...], bidirectional inside, context strictly before the anchor),
    cross-entropy weighted exp(-(k-1)/gamma).
 3. Every --eval-every steps: tau of DFlash and DDTree decoding on validation prompts.
 Writes OUT/drafter (HF format, bf16; the final weights), OUT/drafter_best (the weights of
 the eval with the highest DFlash-chain tau), OUT/drafter_loss.png, OUT/drafter_metrics.json,
-OUT/distill.npy; resumable orbax states under OUT/ckpt_drafter.
+OUT/distill.npy (+ OUT/distill_prompt_lens.npy); resumable orbax states under OUT/ckpt_drafter.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def main():
     ap.add_argument("--target", required=True, help="HF target directory")
     ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=4096)
-    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[64], help="one or more prompt lengths")
     ap.add_argument("--gen-len", type=int, default=192)
     ap.add_argument("--gen-batch", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3000)
@@ -119,6 +122,8 @@ def main():
 
     if not 0.0 <= args.distill_weight <= 1.0:
         sys.exit(f"error: --distill-weight must be in [0, 1], got {args.distill_weight}")
+    if min(args.prompt_len) < 1 or args.prompts < len(args.prompt_len):
+        sys.exit(f"error: --prompt-len {args.prompt_len} needs lengths >= 1 and --prompts >= one per length")
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     tok = Tokenizer.load(os.path.join(args.data, "tokenizer.json"))
@@ -147,13 +152,27 @@ def main():
     val_stream = np.load(os.path.join(args.data, "validation.npy"))
 
     distill_path = os.path.join(args.out, "distill.npy")
+    starts_path = os.path.join(args.out, "distill_prompt_lens.npy")
     t0 = time.time()
     if os.path.exists(distill_path):
         seqs = np.load(distill_path)
+        if os.path.exists(starts_path):
+            starts = np.load(starts_path)
+        elif len(args.prompt_len) == 1:  # written before mixed lengths existed
+            starts = np.full(len(seqs), args.prompt_len[0])
+        else:
+            sys.exit(f"error: {distill_path} has no {starts_path}: cannot tell its rows' prompt lengths")
     else:
-        prompts = prompt_windows(train_stream, args.prompts, args.prompt_len, seed=args.seed)
-        seqs = distill(target, prompts, args.gen_len, args.gen_batch)
+        total = max(args.prompt_len) + args.gen_len
+        counts = np.diff(np.linspace(0, args.prompts, len(args.prompt_len) + 1).astype(int))
+        parts = []
+        for i, (length, count) in enumerate(zip(args.prompt_len, counts, strict=True)):
+            prompts = prompt_windows(train_stream, int(count), length, seed=args.seed + 1000 * i)
+            parts.append(distill(target, prompts, total - length, args.gen_batch))
+        seqs = np.concatenate(parts)
+        starts = np.repeat(np.asarray(args.prompt_len), counts)
         np.save(distill_path, seqs)
+        np.save(starts_path, starts)
     distill_time = time.time() - t0
     print(f"distillation data {seqs.shape} in {distill_time:.0f}s")
     eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.eval_prompt_len, seed=1)
@@ -176,8 +195,9 @@ def main():
         )
         probe_state = train.init_state(params, probe_opt)
         rng = np.random.default_rng(0)
-        toks = jnp.asarray(seqs[rng.integers(0, n, size=args.batch)])
-        anchors = jnp.asarray(train.sample_anchors(rng, args.batch, args.anchors, args.prompt_len, hi))
+        rows = rng.integers(0, n, size=args.batch)
+        toks = jnp.asarray(seqs[rows])
+        anchors = jnp.asarray(train.sample_anchors(rng, args.batch, args.anchors, starts[rows], hi))
         args.steps, per_step = train.steps_that_fit(
             lambda: jax.block_until_ready(probe(probe_state, target, toks, anchors)), args.fit_minutes * 60
         )
@@ -215,7 +235,7 @@ def main():
 
     def make_batch(rng):
         rows = rng.integers(0, n, size=args.batch)
-        anchors = train.sample_anchors(rng, args.batch, args.anchors, args.prompt_len, hi)
+        anchors = train.sample_anchors(rng, args.batch, args.anchors, starts[rows], hi)
         return target, jnp.asarray(seqs[rows]), jnp.asarray(anchors)
 
     state, history, evals, train_time = _loop.run(

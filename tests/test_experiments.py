@@ -44,10 +44,13 @@ def test_train_drafter_resumes_shipped_drafter_with_a_sliding_window(data_dir, t
         "train_drafter.py",
         *("--data", data_dir, "--target", os.path.join(REPO, "checkpoints", "target"), "--out", out),
         *("--init", os.path.join(REPO, "checkpoints", "drafter"), "--sliding-window", 64),
-        *("--prompts", 4, "--gen-len", 40, "--gen-batch", 4, "--steps", 2, "--batch", 2, "--anchors", 2),
+        *("--prompts", 4, "--prompt-len", 48, 64, "--gen-len", 40, "--gen-batch", 4),
+        *("--steps", 2, "--batch", 2, "--anchors", 2),
         *("--eval-every", 2, "--eval-prompts", 2, "--eval-prompt-len", 96, "--distill-weight", 0.5),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Two prompt lengths, two rows each, every row 64 + 40 long (the short prompts continue further).
+    assert np.load(out / "distill_prompt_lens.npy").tolist() == [48, 48, 64, 64]
     trained = drafter.load_drafter(out / "drafter")
     assert trained.config.types == ("sliding_attention",) * trained.config.num_hidden_layers
     assert trained.config.sliding_window == 64

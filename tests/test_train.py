@@ -125,3 +125,14 @@ def test_block_weights():
     w = np.asarray(train.block_weights(16, 7.0))
     assert w.shape == (15,) and w[0] == 1.0
     np.testing.assert_allclose(w[7], np.exp(-1.0), rtol=1e-6)
+
+
+def test_sample_anchors_per_row_lower_bounds():
+    rng = np.random.default_rng(0)
+    low = np.asarray([0, 10, 20])
+    a = train.sample_anchors(rng, 3, 500, low, 25)
+    assert a.shape == (3, 500) and a.dtype == np.int32
+    assert [int(r.min()) for r in a] == [0, 10, 20] and int(a.max()) == 25
+    assert train.sample_anchors(rng, 2, 4, 7, 7).tolist() == [[7] * 4] * 2
+    with pytest.raises(ValueError, match="low=30 > high=25"):
+        train.sample_anchors(rng, 2, 4, np.asarray([0, 30]), 25)
