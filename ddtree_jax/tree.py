@@ -156,14 +156,20 @@ def _eligible_paths(budget: int, d: int, k: int) -> tuple[np.ndarray, np.ndarray
     return ranks[order].astype(np.int32), depth[order].astype(np.int32), parents.astype(np.int32)
 
 
-def _finish(roots, top_tok, node_ranks, node_depth, node_parent, index_of, valid) -> DraftTree:
+def _finish(roots, top_tok, order, n_candidates, node_ranks, node_depth, node_parent, valid) -> DraftTree:
     """Tree arrays from the chosen nodes in pop order.
 
-    node_ranks [B, n, D] (-1 past each depth), node_depth [B, n] (1-based),
-    node_parent [B, n] the parent's candidate id (-1 at depth 1), index_of [B, C]
-    candidate id -> tree index (0 = not chosen).
+    order [B, n] the chosen candidate ids (of n_candidates) in pop order; node_ranks
+    [B, n, D] (-1 past each depth), node_depth [B, n] (1-based), node_parent [B, n] the
+    parent's candidate id (-1 at depth 1).
     """
-    b, _, d = node_ranks.shape
+    b, n, d = node_ranks.shape
+    # Tree index of every candidate (0 = not chosen), to turn parent ids into parent nodes.
+    index_of = (
+        jnp.zeros((b, n_candidates), jnp.int32)
+        .at[jnp.arange(b)[:, None], order]
+        .set(jnp.arange(1, n + 1, dtype=jnp.int32))
+    )
     last = jnp.take_along_axis(node_ranks, (node_depth - 1)[:, :, None], 2)[:, :, 0]
     flat_tok = top_tok.reshape(b, -1)
     node_tok = jnp.take_along_axis(flat_tok, (node_depth - 1) * top_tok.shape[2] + jnp.maximum(last, 0), 1)
@@ -176,7 +182,7 @@ def _finish(roots, top_tok, node_ranks, node_depth, node_parent, index_of, valid
 def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
     """Scores every eligible path (`_eligible_paths`) and keeps a stable top-`budget`."""
     ranks, depth, parent = paths
-    b, d, k = top_lp.shape
+    _, d, k = top_lp.shape
     if len(depth) < budget:  # tiny vocab / depth: fewer paths than the budget, pad with -inf
         extra = budget - len(depth)
         ranks = np.concatenate([ranks, np.full((extra, d), -1, np.int32)])
@@ -191,15 +197,14 @@ def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
     score = jnp.where(jnp.asarray(ranks[:, 0] >= 0), score, -jnp.inf)
     # Stable: equal scores keep lexicographic order, which is the pop order's tie-break.
     node_score, order = jax.lax.top_k(score, budget)
-    rows = jnp.arange(b)[:, None]
-    index_of = jnp.zeros(score.shape, jnp.int32).at[rows, order].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
     return _finish(
         roots,
         top_tok,
+        order,
+        score.shape[1],
         jnp.asarray(ranks)[order],
         jnp.asarray(depth)[order],
         jnp.asarray(parent)[order],
-        index_of,
         jnp.isfinite(node_score),
     )
 
@@ -247,14 +252,14 @@ def _build_beam(top_lp, top_tok, roots, budget) -> DraftTree:
     # Merge the depths: order by (score desc, rank path asc).
     keys = [all_ranks[..., j] for j in reversed(range(d))] + [-all_score]
     order = jnp.lexsort(keys, axis=-1)[:, :budget]  # [B, budget] candidate ids in pop order
-    index_of = jnp.zeros((b, d * budget), jnp.int32).at[rows, order].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
     return _finish(
         roots,
         top_tok,
+        order,
+        d * budget,
         jnp.take_along_axis(all_ranks, order[:, :, None], 1),
         order // budget + 1,
         jnp.take_along_axis(all_parent, order, 1),
-        index_of,
         jnp.isfinite(jnp.take_along_axis(all_score, order, 1)),
     )
 

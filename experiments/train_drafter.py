@@ -186,6 +186,12 @@ def main():
         params = drafter.init_params(dcfg, jax.random.PRNGKey(args.seed))
     n, t = seqs.shape
     hi = t - args.block_size
+
+    def make_batch(rng):
+        rows = rng.integers(0, n, size=args.batch)
+        anchors = train.sample_anchors(rng, args.batch, args.anchors, starts[rows], hi)
+        return target, jnp.asarray(seqs[rows]), jnp.asarray(anchors)
+
     if args.fit_minutes:
         probe_opt = train.make_optimizer(train.OptimConfig(total_steps=10**6), params)
         probe = jax.jit(
@@ -194,12 +200,9 @@ def main():
             )
         )
         probe_state = train.init_state(params, probe_opt)
-        rng = np.random.default_rng(0)
-        rows = rng.integers(0, n, size=args.batch)
-        toks = jnp.asarray(seqs[rows])
-        anchors = jnp.asarray(train.sample_anchors(rng, args.batch, args.anchors, starts[rows], hi))
+        batch = make_batch(np.random.default_rng(0))
         args.steps, per_step = train.steps_that_fit(
-            lambda: jax.block_until_ready(probe(probe_state, target, toks, anchors)), args.fit_minutes * 60
+            lambda: jax.block_until_ready(probe(probe_state, *batch)), args.fit_minutes * 60
         )
         print(f"probe: {per_step * 1e3:.1f} ms/step -> {args.steps} steps in {args.fit_minutes} min")
     opt = train.make_optimizer(
@@ -232,11 +235,6 @@ def main():
             best["tau_dflash"] = chain.tau
             export(state.params, os.path.join(args.out, "drafter_best"))
         return {"tau_dflash": chain.tau, "tau_ddtree": tree.tau}
-
-    def make_batch(rng):
-        rows = rng.integers(0, n, size=args.batch)
-        anchors = train.sample_anchors(rng, args.batch, args.anchors, starts[rows], hi)
-        return target, jnp.asarray(seqs[rows]), jnp.asarray(anchors)
 
     state, history, evals, train_time = _loop.run(
         state,
