@@ -8,8 +8,9 @@ Notation:
 
 Weights are stored [in, out] (x @ w). Layers of one kind are stacked on a
 leading axis and run with `lax.scan`: one compiled layer body per kind, whatever
-the depth. Attention is absorbed MLA against a latent cache (`cache.KVCache`);
-kv_b_proj is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
+the depth; stacks of at most `UNROLL_MAX_LAYERS` layers are unrolled instead.
+Attention is absorbed MLA against a latent cache (`cache.KVCache`); kv_b_proj
+is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, einsum, linear, rms_norm, rope_tables, swiglu
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
+
+# A scan is a device loop: on the GPU each iteration pays its own launches and a host
+# round trip for the predicate, which dominates a small, launch-bound target. Deep
+# stacks (Kimi-K2: 60 MoE layers) keep the loop for compile time and code size.
+UNROLL_MAX_LAYERS = 8
 
 
 @struct.dataclass
@@ -302,7 +308,8 @@ def _run_layers(
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
         return x, (c_new, k_new, x if keep_hidden else None, counts)
 
-    x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe))
+    unroll = cache_ckv.shape[0] <= UNROLL_MAX_LAYERS
+    x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe), unroll=unroll)
     return x, c_kv, k_pe, hidden, counts
 
 

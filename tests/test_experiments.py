@@ -109,3 +109,18 @@ def test_bench_tree_times_both_builders(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["enumerate", "beam"]
     assert rows[0]["paths"] > 8 and all(r["build_ms"] > 0 for r in rows)
+
+
+def test_profile_round_times_stages_and_the_real_loop(tmp_path):
+    out = tmp_path / "profile.json"
+    res = run_script(
+        "profile_round.py",
+        *("--batch-sizes", "1", "--budgets", "8", "--context", "16", "--reps", "2"),
+        *("--loop-tokens", "8", "--dtype", "float32", "--out", out),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    stages = ("draft_ms", "tree_ms", "verify_ms", "accept_commit_ms")
+    assert all(row[k] > 0 for k in (*stages, "ar_step_ms", "ar_in_loop_ms", "round_in_loop_ms"))
+    assert row["sum_ms"] == pytest.approx(sum(row[k] for k in stages))
+    assert row["round_over_ar_in_loop"] == pytest.approx(row["round_in_loop_ms"] / row["ar_in_loop_ms"])

@@ -138,6 +138,31 @@ def test_taps_are_layer_outputs():
         model.forward(*args, tap_layers=(3,))
 
 
+def test_unrolled_layers_equal_the_layer_scan(monkeypatch):
+    params = random_target(CFGS["default"], seed=7)
+    tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+    cache = KVCache.init(params.config, 1, 4)
+    args = (params, tokens, jnp.arange(4)[None], cache, model.causal_mask(jnp.asarray([4]), 4))
+
+    def run(max_layers):
+        monkeypatch.setattr(model, "UNROLL_MAX_LAYERS", max_layers)
+        out = model.forward(*args, tap_layers=(0, 1, 2))
+        jaxpr = jax.make_jaxpr(lambda *a: model.forward(*a).hidden)(*args).jaxpr
+        # (stack length, unroll factor) of each layer scan
+        scans = [(e.params["length"], e.params["unroll"]) for e in jaxpr.eqns if e.primitive.name == "scan"]
+        return out, scans
+
+    scanned, scans = run(0)
+    unrolled, unrolled_scans = run(params.config.num_hidden_layers)
+    assert sum(n for n, _ in scans) == params.config.num_hidden_layers
+    assert any(n > 1 for n, _ in scans)
+    assert all(u == 1 for _, u in scans)
+    assert [n for n, _ in unrolled_scans] == [n for n, _ in scans]
+    assert all(u in (n, True) for n, u in unrolled_scans)
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_cache_write_drops_out_of_range_slots():
     cfg = CFGS["default"]
     cache = KVCache.init(cfg, 2, 4)
