@@ -124,3 +124,20 @@ def test_profile_round_times_stages_and_the_real_loop(tmp_path):
     assert all(row[k] > 0 for k in (*stages, "ar_step_ms", "ar_in_loop_ms", "round_in_loop_ms"))
     assert row["sum_ms"] == pytest.approx(sum(row[k] for k in stages))
     assert row["round_over_ar_in_loop"] == pytest.approx(row["round_in_loop_ms"] / row["ar_in_loop_ms"])
+
+
+def test_loop_ops_counts_the_decode_loop_body(tmp_path):
+    out = tmp_path / "ops.json"
+    res = run_script("loop_ops.py", "--dtype", "float32", "--budget", "8", "--context", "16", "--out", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["by_kind"]["fusion"] > 100
+    assert {"draft", "verify", "build_tree"} <= set(summary["by_scope"])
+    # generate splits the per-layer weights out of their stacks before the loop, so the only
+    # slices left in the body are of the two caches (<= 2 per layer); sliced inside, the
+    # shipped pair's weights would add ~70 more.
+    layers = 0
+    for part in ("target", "drafter"):
+        with open(os.path.join(REPO, "checkpoints", part, "config.json")) as f:
+            layers += json.load(f)["num_hidden_layers"]
+    assert 0 < summary["slices"] <= 2 * layers
