@@ -393,7 +393,7 @@ class DrafterParams:
     config: DrafterConfig = struct.field(pytree_node=False)
     fc: jax.Array  # [n_taps * H, H]
     hidden_norm: jax.Array  # [H]
-    layers: DrafterLayerParams | tuple[DrafterLayerParams, ...]  # leaves [Ld, ...]; a tuple: `unstack_layers`
+    layers: DrafterLayerParams  # leaves [Ld, ...]
     norm: jax.Array  # [H]
 
     @property
@@ -502,28 +502,16 @@ def _keys_values(
     return k, linear(x, lp.v)
 
 
-def unstack_layers(params: DrafterParams) -> DrafterParams:
-    """The layer stack as a tuple of per-layer params (separate buffers).
-
-    Inside a `lax.while_loop` body every slice of a stacked weight is a device copy per
-    iteration; `generate` calls this once before its decode loop.
-    """
-    if isinstance(params.layers, tuple):
-        return params
-    n = params.config.num_hidden_layers
-    return params.replace(layers=tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n)))
-
-
-def _layer_list(params: DrafterParams) -> tuple[DrafterLayerParams, ...]:
-    # Layers run unrolled: per-layer dots stay unbatched (XLA:CPU lacks batched bf16 dots), and
-    # no device loop runs (each GPU loop iteration costs a launch and a host round trip).
-    return unstack_layers(params).layers
-
-
 def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]:
     """Every layer's context k, v [Ld, B, T, Nkv, hd] of context vectors ctx [B, T, H]."""
-    kv = [_keys_values(params.config, lp, ctx, cos, sin) for lp in _layer_list(params)]
-    return jnp.stack([k for k, _ in kv]), jnp.stack([v for _, v in kv])
+    # An unrolled scan: per-layer dots stay unbatched (XLA:CPU lacks batched bf16 dots), and no
+    # device loop runs (each GPU loop iteration costs a launch and a host round trip).
+    cfg = params.config
+
+    def body(_, lp):
+        return None, _keys_values(cfg, lp, ctx, cos, sin)
+
+    return jax.lax.scan(body, None, params.layers, unroll=True)[1]
 
 
 def _attention(
@@ -562,8 +550,10 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
     cos, sin = _rope(cfg, positions)
     # Context slot s holds position s: query-minus-key distances for the sliding windows.
     distance = positions[:, :, None] - jnp.arange(layer_kv[0].shape[2], dtype=jnp.int32)
-    for i, (lp, window) in enumerate(zip(_layer_list(params), cfg.windows, strict=True)):
-        k_ctx, v_ctx = layer_kv[0][i], layer_kv[1][i]
+    windows = jnp.asarray(cfg.windows, jnp.int32)
+
+    def body(x, xs):
+        lp, k_ctx, v_ctx, window = xs
         visible = ctx_visible if cfg.layer_types is None else ctx_visible & (distance < window)
         h = rms_norm(x, lp.input_norm, eps)
         q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
@@ -571,6 +561,9 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
         o = _attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, blk_visible)
         x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows), unroll=True)  # few layers: no device loop
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 

@@ -40,10 +40,6 @@ class DFlashDrafter:
     def observe(self, state, taps, positions, valid):
         return dflash.extend_context(self.params, state, dflash.tap_features(taps), positions, valid)
 
-    def unstacked(self) -> DFlashDrafter:
-        """This drafter with per-layer weights as separate buffers (`drafter.unstack_layers`)."""
-        return self.replace(params=dflash.unstack_layers(self.params))
-
     def propose(self, state, target: TargetParams, cache: KVCache, roots: jax.Array, key: jax.Array) -> jax.Array:
         b, bs = roots.shape[0], self.block_size
         mask_id = self.params.config.mask_token_id
@@ -108,8 +104,7 @@ class RandomDrafter(_Stateless):
 
 
 PROTOCOL = ("block_size", "tap_layers", "init_state", "observe", "propose")
-"""What the decode loop uses of a drafter; any pytree with these members works. Optional:
-`unstacked()`, the drafter to run inside the loop (called once, before it)."""
+"""What the decode loop uses of a drafter; any pytree with these members works."""
 
 
 def is_drafter(x: Any) -> bool:

@@ -22,7 +22,7 @@ from flax import struct
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
-from ddtree_jax.model import TargetParams, append, logits, unstack_layers
+from ddtree_jax.model import TargetParams, append, logits
 from ddtree_jax.sampling import SamplingConfig, choose
 from ddtree_jax.tree import check_budget
 
@@ -159,11 +159,6 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
 @functools.partial(jax.jit, static_argnames=("st",))
 def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _Static) -> GenerateResult:
     b, m = prompts.shape[0], st.max_new_tokens
-    # Per-layer weights as separate buffers: sliced from their stacks inside the loop body,
-    # each would be a device copy every round.
-    target = unstack_layers(target)
-    if drafter is not None and hasattr(drafter, "unstacked"):
-        drafter = drafter.unstacked()
     # Allocated inside the jit: the cache never crosses the boundary, and the
     # while_loop updates it in place.
     # The barrier keeps XLA from constant-folding attention over the all-zero cache (slow to compile).

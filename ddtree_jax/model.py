@@ -8,8 +8,7 @@ Notation:
 
 Weights are stored [in, out] (x @ w). Layers of one kind are stacked on a
 leading axis and run with `lax.scan`: one compiled layer body per kind, whatever
-the depth; stacks of at most `UNROLL_MAX_LAYERS` layers are unrolled instead, and
-`unstack_layers` splits those into tuples of per-layer params before a decode loop.
+the depth; stacks of at most `UNROLL_MAX_LAYERS` layers are unrolled instead.
 Attention is absorbed MLA against a latent cache (`cache.KVCache`); kv_b_proj
 is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
 """
@@ -87,9 +86,8 @@ class TargetParams:
 
     config: TargetConfig = struct.field(pytree_node=False)
     embed: jax.Array  # [V, H]
-    # Leaves [Ld, ...] / [Lm, ...]; or a tuple of per-layer LayerParams (`unstack_layers`).
-    dense_layers: LayerParams | tuple[LayerParams, ...] | None
-    moe_layers: LayerParams | tuple[LayerParams, ...] | None
+    dense_layers: LayerParams | None  # leaves [Ld, ...]
+    moe_layers: LayerParams | None  # leaves [Lm, ...]
     final_norm: jax.Array  # [H]
     lm_head: jax.Array | None  # [H, V]; None when tied to embed
 
@@ -188,26 +186,6 @@ def cast_params(params: TargetParams, dtype) -> TargetParams:
 # Layers
 
 
-def unstack_layers(params: TargetParams) -> TargetParams:
-    """Splits each stack of at most `UNROLL_MAX_LAYERS` layers into a tuple of per-layer params.
-
-    `forward` unrolls such stacks either way; with the stack split beforehand, the
-    per-layer weights are separate buffers. Inside a `lax.while_loop` body every slice
-    of a stacked weight is a device copy per iteration, so `generate` calls this once
-    before its decode loop. Deeper stacks stay stacked (they run as a scan).
-    """
-
-    def split(layers):
-        if layers is None or isinstance(layers, tuple):
-            return layers
-        n = jax.tree.leaves(layers)[0].shape[0]
-        if n > UNROLL_MAX_LAYERS:
-            return layers
-        return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
-
-    return params.replace(dense_layers=split(params.dense_layers), moe_layers=split(params.moe_layers))
-
-
 def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """noaux_tc sigmoid routing. x [T, H] -> (idx [T, K] int32, weights [T, K] float32).
 
@@ -289,7 +267,7 @@ def mla(
 
 def _run_layers(
     cfg: TargetConfig,
-    layers: LayerParams | tuple[LayerParams, ...],
+    layers: LayerParams,
     x: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
@@ -300,11 +278,11 @@ def _run_layers(
     keep_hidden: bool,
     implementation: str,
 ):
-    """Runs one stack of same-kind layers: a scan, unrolled if short; a tuple as a loop.
+    """Scans one stack of same-kind layers.
 
     Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
     """
-    is_moe = isinstance((layers[0] if isinstance(layers, tuple) else layers).mlp, MoEParams)
+    is_moe = isinstance(layers.mlp, MoEParams)
 
     def body(x, xs):
         lp, ckv, kpe = xs
@@ -330,15 +308,6 @@ def _run_layers(
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
         return x, (c_new, k_new, x if keep_hidden else None, counts)
 
-    if isinstance(layers, tuple):
-        if len(layers) != cache_ckv.shape[0]:
-            raise ValueError(f"{len(layers)} unstacked layers for a cache of {cache_ckv.shape[0]}")
-        outs = []
-        for i, lp in enumerate(layers):
-            x, out = body(x, (lp, cache_ckv[i], cache_kpe[i]))
-            outs.append(out)
-        c_kv, k_pe, hidden, counts = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        return x, c_kv, k_pe, hidden, counts
     unroll = cache_ckv.shape[0] <= UNROLL_MAX_LAYERS
     x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe), unroll=unroll)
     return x, c_kv, k_pe, hidden, counts

@@ -191,16 +191,6 @@ def test_bf16_params_run_close_to_float32(params, inputs):
     np.testing.assert_allclose(got, want, atol=0.15)
 
 
-def test_unstacked_layers_give_the_same_cache_and_drafts(params, inputs):
-    un = drafter.unstack_layers(params)
-    assert isinstance(un.layers, tuple) and len(un.layers) == CFG.num_hidden_layers
-    assert drafter.unstack_layers(un) is un
-    want, got = context_cache(params, inputs["features"]), context_cache(un, inputs["features"])
-    np.testing.assert_allclose(got.k, want.k, atol=1e-6)
-    np.testing.assert_allclose(got.v, want.v, atol=1e-6)
-    np.testing.assert_allclose(draft_logits(un, got, inputs), draft_logits(params, want, inputs), atol=1e-6)
-
-
 # ----------------------------------------------------------------------------------
 # Cache semantics
 

@@ -163,24 +163,6 @@ def test_unrolled_layers_equal_the_layer_scan(monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_unstacked_layers_give_the_same_forward(monkeypatch):
-    params = random_target(CFGS["default"], seed=8)
-    cfg = params.config
-    un = model.unstack_layers(params)
-    assert isinstance(un.moe_layers, tuple) and len(un.moe_layers) == cfg.num_moe_layers
-    assert isinstance(un.dense_layers, tuple) and len(un.dense_layers) == cfg.num_dense_layers
-    tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
-    cache = KVCache.init(cfg, 1, 4)
-    args = (tokens, jnp.arange(4)[None], cache, model.causal_mask(jnp.asarray([4]), 4))
-    want = model.forward(params, *args, tap_layers=(0, 2))
-    got = model.forward(un, *args, tap_layers=(0, 2))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # same math, other fusions
-    # A stack deeper than the unroll limit stays stacked (it runs as a scan).
-    monkeypatch.setattr(model, "UNROLL_MAX_LAYERS", cfg.num_moe_layers - 1)
-    assert not isinstance(model.unstack_layers(params).moe_layers, tuple)
-
-
 def test_cache_write_drops_out_of_range_slots():
     cfg = CFGS["default"]
     cache = KVCache.init(cfg, 2, 4)
