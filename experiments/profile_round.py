@@ -59,14 +59,21 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
 def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3) -> float:
     """Seconds per round of `generate`'s while loop: (t(tokens) - t(1)) / rounds."""
 
+    draft = None if method == "ar" else dparams
+
     def run(m):
-        kw = dict(method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=())
-        res = generate(target, dparams if method != "ar" else None, prompts, **kw)
-        jax.block_until_ready(res.tokens)
+        def call():
+            res = generate(
+                target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=()
+            )
+            jax.block_until_ready(res.tokens)
+            return res
+
+        res = call()  # compiles
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(generate(target, dparams if method != "ar" else None, prompts, **kw).tokens)
+            call()
             times.append(time.perf_counter() - t0)
         return statistics.median(times), float(np.asarray(res.rounds).max())
 
