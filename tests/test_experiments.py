@@ -88,6 +88,24 @@ def test_drafter_tau_script_compares_windows(data_dir, tmp_path):
     assert all(1.0 <= r["chain"] <= 8 and 1.0 <= r["ddtree4"] <= 8 for r in rows)
 
 
+def test_chain_misses_replays_generates_rounds_exactly(data_dir, tmp_path):
+    """The offline replay (teacher-forced blocks over the AR text) must give generate's own tau."""
+    out = tmp_path / "misses.json"
+    proc = run_script(
+        "chain_misses.py",
+        *("--data", data_dir, "--prompts", "validation", "--num-prompts", 3, "--prompt-len", 40),
+        *("--max-new-tokens", 24, "--out", out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["tau_replayed"] == s["tau_measured"]
+    assert sum(s["accept_histogram"]) == s["rounds"] >= 3
+    assert s["misses"] == s["rounds"] - s["accept_histogram"][-1]
+    assert 0.0 <= s["all_positions_share_p1_below_0.5"] <= 1.0
+    bad = run_script("chain_misses.py", "--data", data_dir, "--max-new-tokens", 1)
+    assert bad.returncode != 0 and "--max-new-tokens must be >= 2, got 1" in bad.stderr
+
+
 def test_bench_tree_times_both_builders(tmp_path):
     out = tmp_path / "tree.json"
     res = run_script(
