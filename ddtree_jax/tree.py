@@ -156,6 +156,26 @@ def _eligible_paths(budget: int, d: int, k: int) -> tuple[np.ndarray, np.ndarray
     return ranks[order].astype(np.int32), depth[order].astype(np.int32), parents.astype(np.int32)
 
 
+def enumerated_paths(budget: int, depth: int, vocab: int) -> int | None:
+    """How many rank paths `build_ddtree` scores when it enumerates, at this shape.
+
+    Args:
+      budget: node budget (1..MAX_BUDGET).
+      depth: drafted depths D (block size - 1).
+      vocab: vocabulary size V (ranks run below min(budget, V)).
+
+    Returns:
+      The number of eligible paths, or None when there are more than
+      MAX_ENUMERATED_PATHS: then method="auto" builds with the beam, and
+      method="enumerate" raises.
+    """
+    check_budget(budget)
+    if depth < 1 or vocab < 1:
+        raise ValueError(f"depth and vocab must be >= 1, got depth={depth}, vocab={vocab}")
+    paths = _eligible_paths(int(budget), int(depth), min(int(budget), int(vocab)))
+    return None if paths is None else len(paths[1])
+
+
 def _finish(roots, top_tok, order, n_candidates, node_ranks, node_depth, node_parent, valid) -> DraftTree:
     """Tree arrays from the chosen nodes in pop order.
 

@@ -46,7 +46,7 @@ def main():
         logits = logits.at[:, :, :4].add(6.0)  # a few dominant tokens per depth: deep trees
         roots = jnp.zeros((b,), jnp.int32)
         for budget in args.budgets:
-            paths = tree._eligible_paths(budget, args.depth, min(budget, args.vocab))
+            paths = tree.enumerated_paths(budget, args.depth, args.vocab)
             for method in ("enumerate", "beam"):
                 if method == "enumerate" and paths is None:
                     continue
@@ -59,7 +59,7 @@ def main():
                     "batch": b,
                     "budget": budget,
                     "method": method,
-                    "paths": None if method == "beam" else len(paths[1]),
+                    "paths": None if method == "beam" else paths,
                     "compile_s": round(compile_s, 3),
                     "build_ms": round(ms, 4),
                 }
