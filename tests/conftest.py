@@ -1,6 +1,7 @@
 """Shared fixtures: small random targets and the HF reference runner."""
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -15,6 +16,29 @@ from ddtree_jax import config, model
 jax.config.update("jax_default_matmul_precision", "highest")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+PROC_MAPS = "/proc/self/maps"
+MAX_MAPS = 20_000
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_code():
+    """Drops JAX's compiled executables once the process holds more than MAX_MAPS memory maps.
+
+    XLA:CPU maps the code of every executable it compiles into the process, several
+    maps each (test_decode.py alone leaves ~38k). A worker that keeps a whole suite's
+    executables passes Linux's vm.max_map_count (65530), and its next compile segfaults
+    inside XLA. Cleared, the count falls to a few hundred. Elsewhere than Linux: no-op.
+    """
+    yield
+    if not os.path.exists(PROC_MAPS):
+        return
+    with open(PROC_MAPS) as f:
+        maps = sum(1 for _ in f)
+    if maps > MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 def tiny(**overrides) -> config.TargetConfig:
