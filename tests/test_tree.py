@@ -139,8 +139,10 @@ def test_eligible_paths_are_exactly_those_with_few_predecessors():
 def test_enumerated_paths_says_which_builder_auto_uses():
     assert tree.enumerated_paths(5, 3, 2) == len(tree._eligible_paths(5, 3, 2)[1])
     assert tree.enumerated_paths(16, 15, 3) == len(tree._eligible_paths(16, 15, 3)[1])  # ranks < V
-    # Where it answers None, enumeration refuses and "auto" falls back to the beam.
+    # Where it answers None, enumeration refuses (and "auto" falls back to the beam).
     assert tree.enumerated_paths(128, 15, 256) is None
+    with pytest.raises(ValueError, match="eligible paths"):
+        tree.build_ddtree(jnp.zeros((1, 15, 256)), jnp.zeros((1,), jnp.int32), 128, method="enumerate")
     with pytest.raises(ValueError, match="budget"):
         tree.enumerated_paths(0, 15, 256)
     with pytest.raises(ValueError, match="depth=0"):
