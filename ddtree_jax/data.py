@@ -1,8 +1,12 @@
-"""Real text for training and evaluation: the Python standard library's own source.
+"""Real text for training and evaluation: the Python standard library's own source,
+plus, for training only, the source of the pinned packages this project installs.
 
-Every machine with Python has it, so nothing is downloaded at run time. Files
-are assigned to train / validation / test (90 / 5 / 5 %) by a SHA-256 hash of
-their path relative to the stdlib root, which gives the same split everywhere.
+Every machine with Python has the stdlib, and `pip install` brings the packages
+(`TRAIN_PACKAGES`, pinned in pyproject.toml), so nothing is downloaded at run time.
+Stdlib files are assigned to train / validation / test (90 / 5 / 5 %) by a SHA-256
+hash of their path relative to the stdlib root, which gives the same split
+everywhere. Package files all go to train: validation and test stay stdlib-only,
+so that perplexity and tau on them compare across data versions.
 
 The tokenizer is a byte-level BPE (HF `tokenizers`): every text round-trips
 exactly through `encode` / `decode`, and the special tokens `SPECIAL_TOKENS`
@@ -13,6 +17,8 @@ text, never as the special ids.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import sysconfig
@@ -26,6 +32,16 @@ SPLITS = ("train", "validation", "test")
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|mask|>")
 MAX_FILE_BYTES = 1 << 20
 EXCLUDED_DIRS = ("site-packages", "__pycache__")
+# Extra training text: import name -> (distribution, the version pinned in pyproject.toml).
+# The shipped models were trained on exactly these versions' source.
+TRAIN_PACKAGES = {
+    "jax": ("jax", "0.11.2"),
+    "flax": ("flax", "0.12.10"),
+    "optax": ("optax", "0.2.8"),
+    "chex": ("chex", "0.1.92"),
+    "orbax": ("orbax-checkpoint", "0.12.4"),
+    "numpy": ("numpy", "2.5.5"),
+}
 # Cumulative percent upper bounds of the hash buckets, in SPLITS order.
 _SPLIT_BOUNDS = (90, 95, 100)
 _ENCODE_CHUNK = 64  # files per batch encode: bounds the Python-int lists alive at once
@@ -73,12 +89,60 @@ def read_texts(split: str, root: str | os.PathLike | None = None, progress: bool
     Files are read as UTF-8; undecodable bytes become U+FFFD.
     """
     root = _root(root)
-    files = split_files(split, root)
+    return _read_files(root, split_files(split, root), f"read {split}", progress)
+
+
+def _read_files(root: str, files: Sequence[str], desc: str, progress: bool) -> list[str]:
     texts = []
-    for rel in tqdm(files, desc=f"read {split}", unit="file", disable=not progress):
+    for rel in tqdm(files, desc=desc, unit="file", disable=not progress):
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
             texts.append(f.read())
     return texts
+
+
+def package_root(name: str) -> str:
+    """The directory of the installed import package `name` (e.g. "jax", or the namespace "orbax").
+
+    Raises:
+      ModuleNotFoundError: `name` is not installed.
+      ValueError: `name` is a single module, or a namespace spread over several directories.
+    """
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ModuleNotFoundError(f"package {name!r} is not installed")
+    locations = list(spec.submodule_search_locations or ())
+    if len(locations) != 1:
+        raise ValueError(f"package {name!r} must live in exactly one directory, found {locations or 'none (a module)'}")
+    return locations[0]
+
+
+def check_package_versions(packages: Iterable[str] = tuple(TRAIN_PACKAGES), strict: bool = True) -> dict[str, str]:
+    """The installed version of each `TRAIN_PACKAGES` entry, checked against its pin when `strict`.
+
+    Returns:
+      {distribution: installed version}.
+
+    Raises:
+      KeyError: a name that is not in `TRAIN_PACKAGES`.
+      ValueError: with `strict`, an installed version differs from the pin (its source, and so
+        the data, would differ).
+    """
+    found = {}
+    for name in packages:
+        if name not in TRAIN_PACKAGES:
+            raise KeyError(f"unknown training package {name!r}; expected some of {tuple(TRAIN_PACKAGES)}")
+        dist, pinned = TRAIN_PACKAGES[name]
+        version = importlib.metadata.version(dist)
+        if strict and version != pinned:
+            raise ValueError(f"{dist} {version} is installed, but the training data is defined on {dist}=={pinned}")
+        found[dist] = version
+    return found
+
+
+def package_texts(name: str, progress: bool = False) -> list[str]:
+    """The contents of an installed package's .py files (`stdlib_files` rules), in sorted path order."""
+    root = package_root(name)
+    return _read_files(root, stdlib_files(root), f"read {name}", progress)
 
 
 def _root(root: str | os.PathLike | None) -> str:

@@ -1,10 +1,15 @@
-"""Builds the real-text data set: a BPE tokenizer and token streams of the Python stdlib source.
+"""Builds the real-text data set: a BPE tokenizer and token streams of real Python source.
 
-Trains the tokenizer on the train split only, then writes into --out:
+Sources: the Python stdlib, split by file into train / validation / test, and the source of
+the pinned packages in `ddtree_jax.data.TRAIN_PACKAGES` (jax, flax, optax, chex, orbax, numpy),
+which is appended to train only. The tokenizer is trained on the stdlib's train split alone.
+Writes into --out:
   tokenizer.json                       the tokenizer (`ddtree_jax.data.Tokenizer.load`)
-  train.npy, validation.npy, test.npy  uint16 token streams, each file as [bos] + ids + [eos]
+  train.npy, validation.npy, test.npy  uint16 token streams, each file as [bos] + ids + [eos];
+                                       train = stdlib train files, then each package's files
   humaneval_prompts.json               the 164 HumanEval prompt strings, in task-id order
-  stats.json                           files, bytes and tokens per split, bytes per token, wall time
+  stats.json                           files, bytes and tokens per split and per train source,
+                                       package versions, wall time
 
     python experiments/prepare_data.py --out data --vocab-size 8192
 """
@@ -33,30 +38,44 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--min-frequency", type=int, default=2)
     parser.add_argument("--root", default=None, help="source tree to use instead of the stdlib")
+    parser.add_argument(
+        "--packages",
+        nargs="*",
+        default=list(data.TRAIN_PACKAGES),
+        choices=list(data.TRAIN_PACKAGES),
+        help="installed packages whose source joins the train split (none: stdlib only)",
+    )
+    parser.add_argument(
+        "--any-versions",
+        action="store_true",
+        help="accept package versions other than the pins (the data then differs from the shipped models')",
+    )
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
+    try:
+        versions = data.check_package_versions(args.packages, strict=not args.any_versions)
+    except ValueError as e:
+        parser.error(f"{e} (pass --any-versions to use it anyway)")
     os.makedirs(args.out, exist_ok=True)
     texts = {split: data.read_texts(split, args.root, progress=True) for split in data.SPLITS}
+    extra = {name: data.package_texts(name, progress=True) for name in args.packages}
     train = tqdm(texts["train"], desc="train tokenizer", unit="file")
     tok = data.train_tokenizer(train, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
     tok.save(os.path.join(args.out, "tokenizer.json"))
     t_tok = time.perf_counter() - t0
 
+    sources = {"stdlib": texts["train"], **extra}
+    train_sources = {name: _tokenize(tok, t) for name, t in sources.items()}
+    streams = {
+        "train": np.concatenate([stream for stream, _ in train_sources.values()]),
+        **{split: _tokenize(tok, texts[split])[0] for split in data.SPLITS[1:]},
+    }
+    all_texts = {"train": [t for ts in sources.values() for t in ts], **{s: texts[s] for s in data.SPLITS[1:]}}
     splits = {}
     for split in data.SPLITS:
-        stream = data.tokenize_texts(tok, texts[split], progress=True)
-        np.save(os.path.join(args.out, f"{split}.npy"), stream)
-        files = len(texts[split])
-        nbytes = sum(len(t.encode("utf-8")) for t in texts[split])
-        # bos/eos are not text: leave them out of the compression ratio.
-        content = len(stream) - 2 * files
-        splits[split] = {
-            "files": files,
-            "bytes": nbytes,
-            "tokens": len(stream),
-            "bytes_per_token": round(nbytes / max(content, 1), 4),
-        }
+        np.save(os.path.join(args.out, f"{split}.npy"), streams[split])
+        splits[split] = _stats(all_texts[split], streams[split])
 
     prompts = data.humaneval_prompts()
     with open(os.path.join(args.out, "humaneval_prompts.json"), "w") as f:
@@ -69,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
         "vocab_size_requested": args.vocab_size,
         "min_frequency": args.min_frequency,
         "splits": splits,
+        "train_sources": {name: stats for name, (_, stats) in train_sources.items()},
+        "package_versions": versions,
         "humaneval_prompts": len(prompts),
         "tokenizer_time_s": round(t_tok, 2),
         "wall_time_s": round(time.perf_counter() - t0, 2),
@@ -82,6 +103,23 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{split:<11}{s['files']:>7}{s['bytes'] / 1e6:>8.2f}{s['tokens']:>12,}{s['bytes_per_token']:>11.3f}")
     print(f"tokenizer trained in {t_tok:.1f} s, total {stats['wall_time_s']:.1f} s")
     return stats
+
+
+def _tokenize(tok: data.Tokenizer, texts: list[str]) -> tuple[np.ndarray, dict]:
+    stream = data.tokenize_texts(tok, texts, progress=True)
+    return stream, _stats(texts, stream)
+
+
+def _stats(texts: list[str], stream: np.ndarray) -> dict:
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    # bos/eos are not text: leave them out of the compression ratio.
+    content = len(stream) - 2 * len(texts)
+    return {
+        "files": len(texts),
+        "bytes": nbytes,
+        "tokens": len(stream),
+        "bytes_per_token": round(nbytes / max(content, 1), 4),
+    }
 
 
 if __name__ == "__main__":

@@ -238,3 +238,79 @@ def test_prompt_windows():
     assert data.prompt_windows(stream, n=3, length=1000, seed=5).tolist() == [stream.tolist()] * 3
     with pytest.raises(ValueError, match="1001"):
         data.prompt_windows(stream, n=1, length=1001, seed=0)
+
+
+# Pinned packages as extra training text ------------------------------------------
+
+
+def test_train_package_pins_match_pyproject():
+    import tomllib
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    pins = dict(d.split("==") for d in deps if "==" in d)
+    for dist, version in data.TRAIN_PACKAGES.values():
+        assert pins.get(dist) == version, f"{dist}: data.py pins {version}, pyproject.toml {pins.get(dist)}"
+
+
+def test_package_root_and_texts():
+    root = data.package_root("chex")
+    assert os.path.isfile(os.path.join(root, "__init__.py"))
+    texts = data.package_texts("chex")
+    files = data.stdlib_files(root)
+    assert len(texts) == len(files) > 5
+    with open(os.path.join(root, "__init__.py"), encoding="utf-8") as f:
+        assert texts[files.index("__init__.py")] == f.read()
+    with pytest.raises(ModuleNotFoundError, match="no_such_package_xyz"):
+        data.package_root("no_such_package_xyz")
+    with pytest.raises(ValueError, match=r"'textwrap'.*a module"):
+        data.package_root("textwrap")
+
+
+def test_check_package_versions(monkeypatch):
+    assert data.check_package_versions() == dict(data.TRAIN_PACKAGES.values())
+    with pytest.raises(KeyError, match="'torch'"):
+        data.check_package_versions(["torch"])
+    monkeypatch.setattr(data.importlib.metadata, "version", lambda dist: "9.9.9")
+    with pytest.raises(ValueError, match=r"optax 9\.9\.9 is installed.*optax==0\.2\.8"):
+        data.check_package_versions(["optax"])
+    assert data.check_package_versions(["optax"], strict=False) == {"optax": "9.9.9"}
+
+
+def _prepare_data():
+    import importlib.util as iu
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "prepare_data.py")
+    spec = iu.spec_from_file_location("prepare_data", path)
+    module = iu.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_data_appends_packages_to_train_only(fake_root, tmp_path):
+    root, _ = fake_root
+    out = tmp_path / "out"
+    stats = _prepare_data().main(["--out", str(out), "--root", str(root), "--vocab-size", "600", "--packages", "chex"])
+    tok = data.Tokenizer.load(out / "tokenizer.json")
+    stdlib_train = data.tokenize_split(tok, "train", root)
+    chex = data.tokenize_texts(tok, data.package_texts("chex"))
+    np.testing.assert_array_equal(np.load(out / "train.npy"), np.concatenate([stdlib_train, chex]))
+    np.testing.assert_array_equal(np.load(out / "test.npy"), data.tokenize_split(tok, "test", root))
+    assert stats["package_versions"] == {"chex": data.TRAIN_PACKAGES["chex"][1]}
+    sources = stats["train_sources"]
+    assert list(sources) == ["stdlib", "chex"]
+    assert sources["stdlib"]["tokens"] + sources["chex"]["tokens"] == stats["splits"]["train"]["tokens"]
+    assert stats["splits"]["train"]["files"] == len(data.split_files("train", root)) + len(data.package_texts("chex"))
+    # The tokenizer sees the stdlib train split only: packages do not change it.
+    _prepare_data().main(["--out", str(tmp_path / "bare"), "--root", str(root), "--vocab-size", "600", "--packages"])
+    assert (tmp_path / "bare" / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
+    np.testing.assert_array_equal(np.load(tmp_path / "bare" / "train.npy"), stdlib_train)
+
+
+def test_prepare_data_refuses_other_package_versions(fake_root, tmp_path, monkeypatch, capsys):
+    root, _ = fake_root
+    monkeypatch.setattr(data.importlib.metadata, "version", lambda dist: "0.0.1")
+    with pytest.raises(SystemExit):
+        _prepare_data().main(["--out", str(tmp_path), "--root", str(root), "--vocab-size", "600", "--packages", "chex"])
+    assert "chex 0.0.1 is installed" in capsys.readouterr().err
+    assert not (tmp_path / "train.npy").exists()
