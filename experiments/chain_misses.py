@@ -14,8 +14,10 @@ the rounds, and the replayed tau is checked against `generate`'s own.
 For every round that ends on a wrong draft it records the target's top-1
 probability and top-1 minus top-2 logit margin at that position, and whether the
 drafter picked the target's second choice; for every generated position, the same
-target figures (the base rate). A drafter that misses mostly where the target
-itself is unsure is limited by the target's entropy more than by its own size.
+target figures (the base rate), and whether the token repeats a 4-gram already in
+the text; and the drafts' acceptance split by that (repetition is cheap to draft).
+A drafter that misses mostly where the target itself is unsure is limited by the
+target's entropy more than by its own size.
 float32 throughout.
 """
 
@@ -28,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _prompts
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +66,25 @@ def replay(block_argmax: np.ndarray, sequence: np.ndarray, start: int, max_new_t
     return rounds
 
 
+def repeated_ngrams(sequence, start: int, end: int, n: int = 4) -> np.ndarray:
+    """[end - start] bool: whether token t completes an n-gram (t-n+1 .. t) already seen in sequence[:t].
+
+    A continuation that repeats itself is cheap to draft; this says how much of it does.
+    """
+    seq = [int(x) for x in sequence[:end]]
+    seen, out = set(), np.zeros(end - start, bool)
+    for t in range(n - 1, end):
+        gram = tuple(seq[t - n + 1 : t + 1])
+        if t >= start:
+            out[t - start] = gram in seen
+        seen.add(gram)
+    return out
+
+
+def _rate(counts: list[int]) -> float | None:
+    return round(counts[1] / counts[0], 4) if counts[0] else None
+
+
 def quantiles(x) -> dict:
     x = np.asarray(x, np.float64)
     if not len(x):
@@ -93,10 +115,9 @@ def main():
     target = checkpoint.load_target(args.target, dtype=jnp.float32)
     params = drafter.load_drafter(args.drafter, dtype=jnp.float32)
     if args.prompts == "humaneval":
-        prompts = [tok.encode(t, bos=True) for t in data.load_humaneval_prompts(args.data)][: args.num_prompts]
+        prompts = _prompts.humaneval(tok, args.data)[: args.num_prompts]
     else:
-        stream = np.load(os.path.join(args.data, "validation.npy"))
-        prompts = data.prompt_windows(stream, args.num_prompts or 32, args.prompt_len, seed=1).tolist()
+        prompts = _prompts.validation_windows(args.data, args.num_prompts or 32, args.prompt_len)
     m, bs = args.max_new_tokens, params.config.block_size
 
     measured = generate(target, params, prompts, method="dflash", max_new_tokens=m, stop_token_ids=())
@@ -116,15 +137,23 @@ def main():
         p1 = jnp.max(jax.nn.softmax(lg, -1), -1)
         return drafted[0], p1[0], (top2[..., 0] - top2[..., 1])[0], idx2[0, :, 1]
 
-    misses, base_p1, base_margin, accepts = [], [], [], []
+    misses, base_p1, base_margin, accepts, repeats = [], [], [], [], []
+    tested = {True: [0, 0], False: [0, 0]}  # repeats a 4-gram -> [drafts checked, drafts accepted]
     for i, p in enumerate(tqdm(prompts, desc="replay", mininterval=5)):
         start = len(p)
         anchors = jnp.arange(start, start + m, dtype=jnp.int32)[None]
         drafted, p1, margin, second = jax.device_get(teacher_forced(jnp.asarray(seqs[i : i + 1]), anchors))
         base_p1 += p1[start : start + m - 1].tolist()
         base_margin += margin[start : start + m - 1].tolist()
+        repeated = repeated_ngrams(seqs[i], start, len(p) + len(ar[i]))
+        repeats += repeated[:m].tolist()
         for anchor, accepted in replay(drafted, seqs[i], start, m):
             accepts.append(accepted + 1)
+            # The drafts this round checked: the accepted ones and, unless all were, the first wrong one.
+            for k in range(1, min(accepted + 1, bs - 1) + 1):
+                kind = tested[bool(repeated[anchor + k - start])]
+                kind[0] += 1
+                kind[1] += k <= accepted
             if accepted < bs - 1:
                 q = anchor + accepted  # the target's distribution for the rejected position
                 misses.append(
@@ -143,6 +172,11 @@ def main():
         "tau_measured": round(measured.tau, 4),
         "tau_replayed": round(float(accepts.mean()), 4),
         "accept_histogram": np.bincount(accepts, minlength=bs + 1)[1:].tolist(),
+        "share_of_tokens_in_full_block_rounds": round(float(accepts[accepts == bs].sum() / accepts.sum()), 4),
+        "generated_tokens_repeating_a_4gram": round(float(np.mean(repeats)), 4),
+        "draft_acceptance_where_the_token_repeats_a_4gram": _rate(tested[True]),
+        "draft_acceptance_elsewhere": _rate(tested[False]),
+        "drafts_checked_accepted": {"repeating_a_4gram": tested[True], "elsewhere": tested[False]},
         "misses": len(misses),
         "miss_p1": quantiles(p1_miss),
         "miss_margin": quantiles([r["margin"] for r in misses]),

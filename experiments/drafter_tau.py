@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _prompts
 import jax.numpy as jnp
-import numpy as np
 
 from ddtree_jax import checkpoint, data, drafter
 from ddtree_jax.generate import generate
@@ -54,10 +54,9 @@ def main():
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.dtype(args.dtype))
     if args.prompts == "humaneval":
-        sets = {None: [tok.encode(t, bos=True) for t in data.load_humaneval_prompts(args.data)]}
+        sets = {None: _prompts.humaneval(tok, args.data)}
     else:
-        stream = np.load(os.path.join(args.data, "validation.npy"))
-        sets = {n: data.prompt_windows(stream, args.num_prompts, n, seed=1).tolist() for n in args.prompt_lens}
+        sets = {n: _prompts.validation_windows(args.data, args.num_prompts, n) for n in args.prompt_lens}
     runs = [("dflash", None)] + [("ddtree", b) for b in args.budgets]
     rows = []
     for spec in args.drafters:

@@ -102,8 +102,29 @@ def test_chain_misses_replays_generates_rounds_exactly(data_dir, tmp_path):
     assert sum(s["accept_histogram"]) == s["rounds"] >= 3
     assert s["misses"] == s["rounds"] - s["accept_histogram"][-1]
     assert 0.0 <= s["all_positions_share_p1_below_0.5"] <= 1.0
+    full = s["accept_histogram"][-1] * 16 / sum(n * (k + 1) for k, n in enumerate(s["accept_histogram"]))
+    assert s["share_of_tokens_in_full_block_rounds"] == round(full, 4)
+    assert 0.0 <= s["generated_tokens_repeating_a_4gram"] <= 1.0
+    # Every round checks its accepted drafts plus the first wrong one (none when all 15 pass).
+    hist = s["accept_histogram"]
+    counts = s["drafts_checked_accepted"]
+    checked, accepted = (sum(c[j] for c in counts.values()) for j in (0, 1))
+    assert checked == sum(n * min(k + 1, 15) for k, n in enumerate(hist))
+    assert accepted == sum(n * k for k, n in enumerate(hist))
     bad = run_script("chain_misses.py", "--data", data_dir, "--max-new-tokens", 1)
     assert bad.returncode != 0 and "--max-new-tokens must be >= 2, got 1" in bad.stderr
+
+
+def test_repeated_ngrams():
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from chain_misses import repeated_ngrams
+
+    #        0  1  2  3  4  5  6  7  8  9
+    seq = [5, 1, 2, 3, 4, 1, 2, 3, 4, 9]
+    # From position 4 on: (1 2 3 4) is new at 4, (2 3 4 1) .. (4 1 2 3) new, (1 2 3 4) again at 8.
+    assert repeated_ngrams(seq, 4, 10).tolist() == [False, False, False, False, True, False]
+    assert repeated_ngrams(seq, 0, 3).tolist() == [False] * 3  # too short to complete a 4-gram
+    assert repeated_ngrams(seq, 8, 10, n=2).tolist() == [True, False]
 
 
 def test_bench_tree_times_both_builders(tmp_path):
