@@ -275,7 +275,8 @@ def generate(
       method: "ar", "dflash" or "ddtree".
       tree_budget: DDTree node budget (root not counted), 1..1024; default 64.
       block_size: use a smaller block than the drafter's (>= 2).
-      max_new_tokens: the most tokens generated per row (>= 1).
+      max_new_tokens: the most tokens generated per row (>= 1); the longest
+        prompt plus this must fit the target's max_position_embeddings.
       temperature: 0 for greedy, else sampling temperature.
       top_k: sampling keeps the k most likely tokens (0 = all).
       top_p: sampling keeps the nucleus of mass top_p (1.0 = all).
@@ -333,8 +334,15 @@ def generate(
     for t in stop:
         if not 0 <= t < cfg.vocab_size:
             raise ValueError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
+    longest = int(lengths.max())
+    if longest + int(max_new_tokens) > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt {int(np.argmax(lengths))} ({longest} tokens) + max_new_tokens={max_new_tokens} is "
+            f"{longest + int(max_new_tokens)} positions, more than the target's "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
     depth = 0 if drafter is None else drafter.block_size - 1
-    needed = int(lengths.max()) + int(max_new_tokens) + depth
+    needed = longest + int(max_new_tokens) + depth
     if cache_capacity is None:
         # From the padded width, not the longest valid prompt: the capacity is a static
         # shape, and padded batches of one width must share one compilation. Rounded up

@@ -155,11 +155,23 @@ def test_top_k_top_p_filters():
         (dict(prompts=[[1]], top_p=0.0, temperature=1.0, key=jax.random.key(0)), ValueError, "top_p"),
         (dict(prompts=[[1]], stop_token_ids=[999]), ValueError, "stop token id 999"),
         (dict(prompts=[[1]], method="beam"), ValueError, "unknown method 'beam'"),
+        (
+            dict(prompts=[[1] * 3, [1] * 500], max_new_tokens=13),
+            ValueError,
+            r"prompt 1 \(500 tokens\) \+ max_new_tokens=13 is 513 positions, more than the target's "
+            r"max_position_embeddings=512",
+        ),
     ],
 )
 def test_bad_inputs(params, kwargs, error, match):
     with pytest.raises(error, match=match):
         generate(params, **{"max_new_tokens": 4, **kwargs})
+
+
+def test_prompt_plus_new_tokens_may_fill_every_position(params):
+    assert params.config.max_position_embeddings == 512
+    res = generate(params, [[1] * 508], max_new_tokens=4)
+    assert len(res.to_lists()[0]) == 4
 
 
 def test_wrong_target_type():
