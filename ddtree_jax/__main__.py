@@ -115,23 +115,53 @@ def _load_shipped(args, need_drafter):
         sys.exit(f"error: {e}")
 
 
-def _check_method(args):
+def _check_args(args):
+    """Refuses bad methods, budgets and sampling settings before any checkpoint is loaded."""
     from ddtree_jax.generate import METHODS
+    from ddtree_jax.sampling import SamplingConfig
+    from ddtree_jax.tree import check_budget
 
-    for m in args.methods if hasattr(args, "methods") else [args.method]:
+    methods = args.methods if hasattr(args, "methods") else [args.method]
+    for m in methods:
         if m not in METHODS:
             sys.exit(f"error: unknown method {m!r}; choose one of {METHODS}")
+    budgets = args.budgets if hasattr(args, "budgets") else [args.budget]
+    try:
+        if "ddtree" in methods:
+            for b in budgets:
+                check_budget(b)
+        SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if args.max_new_tokens < 1:
+        sys.exit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.block_size is not None and args.block_size < 2:
+        sys.exit(f"error: --block-size must be >= 2, got {args.block_size}")
+    if getattr(args, "limit", None) is not None and args.limit < 1:
+        sys.exit(f"error: --limit must be >= 1, got {args.limit}")
+
+
+def _check_positions(prompts, args, shipped):
+    """Refuses a prompt that, with --max-new-tokens, outgrows the target's positions."""
+    limit = shipped.target.config.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > limit:
+        sys.exit(
+            f"error: a {longest}-token prompt + --max-new-tokens {args.max_new_tokens} needs "
+            f"{longest + args.max_new_tokens} positions; the target has max_position_embeddings={limit}"
+        )
 
 
 def generate_cmd(args) -> None:
     import numpy as np
 
-    _check_method(args)
+    _check_args(args)
     if not args.prompt.strip():
         sys.exit("error: the prompt is empty")
     shipped = _load_shipped(args, need_drafter=args.method != "ar")
     tok = shipped.tokenizer
     ids = tok.encode(args.prompt, bos=True)
+    _check_positions([ids], args, shipped)
     res, dt = _timed_generate(shipped, np.asarray([ids]), None, args, args.method, args.budget)
     out = res.to_lists()[0]
     print(args.prompt + tok.decode(out))
@@ -168,12 +198,14 @@ def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
 def eval_cmd(args) -> None:
     import json
 
-    _check_method(args)
+    _check_args(args)
     if args.bucket < 1:
         sys.exit(f"error: --bucket must be >= 1, got {args.bucket}")
     shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
     # Every set first: an unknown or missing one fails before any generation.
     prompt_sets = {name: _eval_prompts(name, args, shipped.tokenizer) for name in args.prompts}
+    for prompts in prompt_sets.values():
+        _check_positions(prompts, args, shipped)
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
     rows = []
     for prompt_set, prompts in prompt_sets.items():
@@ -266,14 +298,13 @@ def main(argv=None) -> None:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.command == "demo":
-        if args.batch < 1:
-            ap.error(f"--batch must be >= 1, got {args.batch}")
-        demo(args)
-    elif args.command == "generate":
-        generate_cmd(args)
-    else:
-        eval_cmd(args)
+    commands = {"demo": demo, "generate": generate_cmd, "eval": eval_cmd}
+    if args.command == "demo" and args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    try:
+        commands[args.command](args)
+    except ValueError as e:  # the library's bad-input error names the value: no traceback
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
