@@ -175,9 +175,6 @@ def generate_cmd(args) -> None:
 
 
 def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
-
-    import numpy as np
-
     from ddtree_jax import data
 
     if prompt_set == "humaneval":
@@ -187,9 +184,7 @@ def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
             sys.exit(f"error: {e}")
         prompts = [tok.encode(t, bos=True) for t in texts]
     elif prompt_set == "test":
-        path = os.path.join(args.data, "test.npy")
-        stream = np.load(path) if os.path.exists(path) else data.tokenize_split(tok, "test")
-        prompts = data.prompt_windows(stream, 64, 128, seed=0).tolist()
+        prompts = data.eval_test_prompts(tok, args.data)
     else:
         sys.exit(f"error: unknown prompt set {prompt_set!r}; choose humaneval or test")
     return prompts[: args.limit] if args.limit else prompts

@@ -341,6 +341,21 @@ def load_humaneval_prompts(data_dir: str | os.PathLike) -> list[str]:
             return json.load(f)
 
 
+TEST_PROMPTS = 64
+TEST_PROMPT_LEN = 128
+
+
+def eval_test_prompts(tok: Tokenizer, data_dir: str | os.PathLike) -> list[list[int]]:
+    """The eval's test-split prompts: `TEST_PROMPTS` windows of `TEST_PROMPT_LEN` tokens (seed 0).
+
+    Read from DATA_DIR/test.npy if `experiments/prepare_data.py` wrote it, else tokenized from
+    the stdlib's test split with `tok` (the same stream when `tok` is the data's tokenizer).
+    """
+    path = os.path.join(data_dir, "test.npy")
+    stream = np.load(path) if os.path.exists(path) else tokenize_split(tok, "test")
+    return prompt_windows(stream, TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
+
+
 def prompt_windows(tokens: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:
     """`n` windows of `length` consecutive tokens at random offsets of a 1-D stream, as int32 [n, length].
 

@@ -98,7 +98,12 @@ def main():
     ap.add_argument("--drafter", default="checkpoints/drafter")
     ap.add_argument("--tokenizer", default="checkpoints/tokenizer.json")
     ap.add_argument("--data", default="data")
-    ap.add_argument("--prompts", choices=["humaneval", "validation"], default="humaneval")
+    ap.add_argument(
+        "--prompts",
+        choices=["humaneval", "validation", "test"],
+        default="humaneval",
+        help="test = the CLI eval's test-split windows",
+    )
     ap.add_argument(
         "--num-prompts", type=int, default=None, help="first N prompts (HumanEval) / N windows (validation)"
     )
@@ -116,6 +121,8 @@ def main():
     params = drafter.load_drafter(args.drafter, dtype=jnp.float32)
     if args.prompts == "humaneval":
         prompts = _prompts.humaneval(tok, args.data)[: args.num_prompts]
+    elif args.prompts == "test":
+        prompts = _prompts.test_windows(tok, args.data)[: args.num_prompts]
     else:
         prompts = _prompts.validation_windows(args.data, args.num_prompts or 32, args.prompt_len)
     m, bs = args.max_new_tokens, params.config.block_size

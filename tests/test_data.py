@@ -240,6 +240,15 @@ def test_prompt_windows():
         data.prompt_windows(stream, n=1, length=1001, seed=0)
 
 
+def test_eval_test_prompts_read_the_prepared_test_split(tmp_path):
+    stream = (np.arange(5000) % 8000).astype(np.uint16)
+    np.save(tmp_path / "test.npy", stream)
+    prompts = data.eval_test_prompts(None, tmp_path)  # no tokenizer needed when test.npy exists
+    assert len(prompts) == data.TEST_PROMPTS and {len(p) for p in prompts} == {data.TEST_PROMPT_LEN}
+    assert prompts == data.prompt_windows(stream, data.TEST_PROMPTS, data.TEST_PROMPT_LEN, seed=0).tolist()
+    assert all(p == list(range(p[0], p[0] + data.TEST_PROMPT_LEN)) for p in prompts)
+
+
 # Pinned packages as extra training text ------------------------------------------
 
 
