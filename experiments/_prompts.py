@@ -14,11 +14,6 @@ def humaneval(tok: data.Tokenizer, data_dir: str) -> list[list[int]]:
     return [tok.encode(t, bos=True) for t in data.load_humaneval_prompts(data_dir)]
 
 
-def test_windows(tok: data.Tokenizer, data_dir: str) -> list[list[int]]:
-    """The CLI eval's test-split prompts (`data.eval_test_prompts`: 64 windows of 128 tokens)."""
-    return data.eval_test_prompts(tok, data_dir)
-
-
 def validation_windows(data_dir: str, n: int, length: int) -> list[list[int]]:
     """`n` windows of `length` tokens of DATA_DIR/validation.npy (seed 1, as train_drafter's evals)."""
     stream = np.load(os.path.join(data_dir, "validation.npy"))

@@ -2,6 +2,7 @@
 
     python experiments/chain_misses.py --prompts humaneval --out misses.json
     python experiments/chain_misses.py --prompts validation --num-prompts 64 --prompt-len 160
+    python experiments/chain_misses.py --prompts test   # the CLI eval's 64 test-split windows
 
 Greedy decoding is deterministic, so a DFlash chain round can be replayed offline:
 the AR continuation of each prompt is the text every method produces; one target
@@ -105,7 +106,7 @@ def main():
         help="test = the CLI eval's test-split windows",
     )
     ap.add_argument(
-        "--num-prompts", type=int, default=None, help="first N prompts (HumanEval) / N windows (validation)"
+        "--num-prompts", type=int, default=None, help="first N prompts (HumanEval, test) / N windows (validation)"
     )
     ap.add_argument("--prompt-len", type=int, default=160, help="validation window length")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -122,7 +123,7 @@ def main():
     if args.prompts == "humaneval":
         prompts = _prompts.humaneval(tok, args.data)[: args.num_prompts]
     elif args.prompts == "test":
-        prompts = _prompts.test_windows(tok, args.data)[: args.num_prompts]
+        prompts = data.eval_test_prompts(tok, args.data)[: args.num_prompts]
     else:
         prompts = _prompts.validation_windows(args.data, args.num_prompts or 32, args.prompt_len)
     m, bs = args.max_new_tokens, params.config.block_size
