@@ -1,5 +1,6 @@
 """Experiment scripts end to end at toy sizes, so that a GPU run does not die on a CLI slip."""
 
+import csv
 import json
 import math
 import os
@@ -114,6 +115,50 @@ def test_chain_misses_replays_generates_rounds_exactly(data_dir, tmp_path):
     assert accepted == sum(n * k for k, n in enumerate(hist))
     bad = run_script("chain_misses.py", "--data", data_dir, "--max-new-tokens", 1)
     assert bad.returncode != 0 and "--max-new-tokens must be >= 2, got 1" in bad.stderr
+
+
+def test_sweep_tree_writes_csv_json_and_plots(data_dir, tmp_path):
+    """Budgets x block sizes x temperatures on two test-split windows; then --replot and bad args."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(data_dir / "validation.npy", data / "test.npy")  # the eval reads DATA/test.npy
+    out = tmp_path / "sweep"
+    grid = ("--budgets", 1, 4, "--block-sizes", 4, 16, "--temperatures", 0, 1)
+    proc = run_script(
+        "sweep_tree.py",
+        *("--prompts", "test", "--data", data, "--limit", 2, *grid),
+        *("--max-new-tokens", 8, "--dtype", "float32", "--out", out),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "sweep.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    expected = [
+        (t, m, bs, b)
+        for t in (0.0, 1.0)
+        for m, bs, b in [("ar", None, None)]
+        + [(m, bs, b) for bs in (4, 16) for m, b in (("dflash", None), ("ddtree", 1), ("ddtree", 4))]
+    ]
+    assert [(r["temperature"], r["method"], r["block_size"], r["budget"]) for r in rows] == expected
+    assert len(csv_rows) == len(rows) and csv_rows[0]["method"] == "ar"
+    for r in rows:
+        assert r["prompts"] == 2 and r["tokens"] == 2 * 8, r  # no stop token: every row runs to the end
+        hist = r["accept_hist"]
+        assert len(hist) == (r["block_size"] or 1) and r["accept_outside"] == 0
+        assert sum(hist) == r["rounds"]
+        assert r["tau"] == pytest.approx(sum((i + 1) * n for i, n in enumerate(hist)) / r["rounds"])
+        assert 1.0 <= r["tau"] <= (r["block_size"] or 1)
+    pngs = ("tau_vs_budget.png", "tokens_per_s_vs_budget.png", "accept_hist.png", "ddtree_vs_dflash.png")
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        (out / name).unlink()
+    replot = run_script("sweep_tree.py", "--replot", "--out", out)
+    assert replot.returncode == 0, replot.stderr[-2000:]
+    assert all((out / name).exists() for name in pngs)
+    bad = run_script("sweep_tree.py", "--budgets", 0, "--out", tmp_path / "bad")
+    assert bad.returncode != 0 and "budgets must lie in [1, 1024], got [0]" in bad.stderr
+    bad = run_script("sweep_tree.py", "--block-sizes", 17, "--out", tmp_path / "bad")
+    assert bad.returncode != 0 and "block sizes must lie in [2, the drafter's block_size=16], got [17]" in bad.stderr
 
 
 def test_repeated_ngrams():
