@@ -107,12 +107,17 @@ def _timed_generate(shipped, ids_batch, lengths, args, method, budget):
 
 
 def _load_shipped(args, need_drafter):
+    """The shipped checkpoints; with a drafter, --block-size is checked against it here, before any run."""
+    from ddtree_jax.drafters import as_drafter
     from ddtree_jax.shipped import load_shipped
 
     try:
-        return load_shipped(args.checkpoints, dtype=args.dtype, need_drafter=need_drafter)
+        shipped = load_shipped(args.checkpoints, dtype=args.dtype, need_drafter=need_drafter)
+        if need_drafter:
+            as_drafter(shipped.drafter, args.block_size)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
+    return shipped
 
 
 def _check_args(args):
@@ -135,21 +140,8 @@ def _check_args(args):
         sys.exit(f"error: {e}")
     if args.max_new_tokens < 1:
         sys.exit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.block_size is not None and args.block_size < 2:
-        sys.exit(f"error: --block-size must be >= 2, got {args.block_size}")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         sys.exit(f"error: --limit must be >= 1, got {args.limit}")
-
-
-def _check_positions(prompts, args, shipped):
-    """Refuses a prompt that, with --max-new-tokens, outgrows the target's positions."""
-    limit = shipped.target.config.max_position_embeddings
-    longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens > limit:
-        sys.exit(
-            f"error: a {longest}-token prompt + --max-new-tokens {args.max_new_tokens} needs "
-            f"{longest + args.max_new_tokens} positions; the target has max_position_embeddings={limit}"
-        )
 
 
 def generate_cmd(args) -> None:
@@ -161,7 +153,6 @@ def generate_cmd(args) -> None:
     shipped = _load_shipped(args, need_drafter=args.method != "ar")
     tok = shipped.tokenizer
     ids = tok.encode(args.prompt, bos=True)
-    _check_positions([ids], args, shipped)
     res, dt = _timed_generate(shipped, np.asarray([ids]), None, args, args.method, args.budget)
     out = res.to_lists()[0]
     print(args.prompt + tok.decode(out))
@@ -179,10 +170,9 @@ def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
 
     if prompt_set == "humaneval":
         try:
-            texts = data.load_humaneval_prompts(args.data)
+            prompts = data.eval_humaneval_prompts(tok, args.data)
         except FileNotFoundError as e:
             sys.exit(f"error: {e}")
-        prompts = [tok.encode(t, bos=True) for t in texts]
     elif prompt_set == "test":
         prompts = data.eval_test_prompts(tok, args.data)
     else:
@@ -193,14 +183,16 @@ def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
 def eval_cmd(args) -> None:
     import json
 
+    from ddtree_jax.generate import check_positions
+
     _check_args(args)
     if args.bucket < 1:
         sys.exit(f"error: --bucket must be >= 1, got {args.bucket}")
     shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
     # Every set first: an unknown or missing one fails before any generation.
     prompt_sets = {name: _eval_prompts(name, args, shipped.tokenizer) for name in args.prompts}
-    for prompts in prompt_sets.values():
-        _check_positions(prompts, args, shipped)
+    for prompts in prompt_sets.values():  # before any run: generate would refuse a long prompt mid-eval
+        check_positions(shipped.target.config, [len(p) for p in prompts], args.max_new_tokens)
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
     rows = []
     for prompt_set, prompts in prompt_sets.items():

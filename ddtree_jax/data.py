@@ -341,6 +341,11 @@ def load_humaneval_prompts(data_dir: str | os.PathLike) -> list[str]:
             return json.load(f)
 
 
+def eval_humaneval_prompts(tok: Tokenizer, data_dir: str | os.PathLike) -> list[list[int]]:
+    """The eval's HumanEval prompts: the 164 `load_humaneval_prompts` strings, each as [bos] + ids."""
+    return [tok.encode(t, bos=True) for t in load_humaneval_prompts(data_dir)]
+
+
 TEST_PROMPTS = 64
 TEST_PROMPT_LEN = 128
 

@@ -21,6 +21,7 @@ from flax import struct
 
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache
+from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
 from ddtree_jax.model import TargetParams, append, logits
 from ddtree_jax.sampling import SamplingConfig, choose
@@ -239,6 +240,19 @@ def _as_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.
     return np.where(valid, padded, 0).astype(np.int32), lengths.astype(np.int32)
 
 
+def check_positions(cfg: TargetConfig, prompt_lengths, max_new_tokens: int) -> None:
+    """Raises ValueError, naming the prompt, if the longest prompt + max_new_tokens outgrows the
+    target's max_position_embeddings (positions past it were never trained)."""
+    lengths = np.asarray(prompt_lengths)
+    i = int(np.argmax(lengths))
+    total = int(lengths[i]) + int(max_new_tokens)
+    if total > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt {i} ({int(lengths[i])} tokens) + max_new_tokens={max_new_tokens} is {total} positions, "
+            f"more than the target's max_position_embeddings={cfg.max_position_embeddings}"
+        )
+
+
 def generate(
     target: TargetParams,
     drafter: Any = None,
@@ -334,15 +348,9 @@ def generate(
     for t in stop:
         if not 0 <= t < cfg.vocab_size:
             raise ValueError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
-    longest = int(lengths.max())
-    if longest + int(max_new_tokens) > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt {int(np.argmax(lengths))} ({longest} tokens) + max_new_tokens={max_new_tokens} is "
-            f"{longest + int(max_new_tokens)} positions, more than the target's "
-            f"max_position_embeddings={cfg.max_position_embeddings}"
-        )
+    check_positions(cfg, lengths, max_new_tokens)
     depth = 0 if drafter is None else drafter.block_size - 1
-    needed = longest + int(max_new_tokens) + depth
+    needed = int(lengths.max()) + int(max_new_tokens) + depth
     if cache_capacity is None:
         # From the padded width, not the longest valid prompt: the capacity is a static
         # shape, and padded batches of one width must share one compilation. Rounded up

@@ -1,4 +1,8 @@
-"""The evaluation prompt sets shared by drafter_tau.py and chain_misses.py, as token-id lists."""
+"""The validation prompt windows shared by drafter_tau.py and chain_misses.py, as token-id lists.
+
+HumanEval and test-split prompts come from `ddtree_jax.data` (`eval_humaneval_prompts`,
+`eval_test_prompts`), as the CLI eval uses them.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,6 @@ import os
 import numpy as np
 
 from ddtree_jax import data
-
-
-def humaneval(tok: data.Tokenizer, data_dir: str) -> list[list[int]]:
-    """The 164 HumanEval prompts, each as [bos] + ids (`data.load_humaneval_prompts`)."""
-    return [tok.encode(t, bos=True) for t in data.load_humaneval_prompts(data_dir)]
 
 
 def validation_windows(data_dir: str, n: int, length: int) -> list[list[int]]:

@@ -121,7 +121,7 @@ def main():
     target = checkpoint.load_target(args.target, dtype=jnp.float32)
     params = drafter.load_drafter(args.drafter, dtype=jnp.float32)
     if args.prompts == "humaneval":
-        prompts = _prompts.humaneval(tok, args.data)[: args.num_prompts]
+        prompts = data.eval_humaneval_prompts(tok, args.data)[: args.num_prompts]
     elif args.prompts == "test":
         prompts = data.eval_test_prompts(tok, args.data)[: args.num_prompts]
     else:

@@ -54,7 +54,7 @@ def main():
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.dtype(args.dtype))
     if args.prompts == "humaneval":
-        sets = {None: _prompts.humaneval(tok, args.data)}
+        sets = {None: data.eval_humaneval_prompts(tok, args.data)}
     else:
         sets = {n: _prompts.validation_windows(args.data, args.num_prompts, n) for n in args.prompt_lens}
     runs = [("dflash", None)] + [("ddtree", b) for b in args.budgets]

@@ -226,6 +226,12 @@ def test_load_humaneval_prompts_falls_back_to_prepared_json(tmp_path, monkeypatc
     assert data.load_humaneval_prompts(tmp_path) == ["def f():\n"]
 
 
+def test_eval_humaneval_prompts_are_bos_then_ids(tok, tmp_path):
+    ids = data.eval_humaneval_prompts(tok, tmp_path)
+    assert len(ids) == 164
+    assert ids[0] == [tok.bos_id, *tok.encode(data.humaneval_prompts()[0])]
+
+
 def test_prompt_windows():
     stream = np.arange(1000, dtype=np.uint16) * 7
     w = data.prompt_windows(stream, n=32, length=16, seed=0)

@@ -205,18 +205,47 @@ def test_cli_eval_without_prepared_data_tokenizes_stdlib(tmp_path, capsys):
         (["generate", "def f(", "--temperature", "-1"], "temperature must be a number >= 0, got -1.0"),
         (["generate", "def f(", "--top-p", "2"], r"top_p must lie in \(0, 1\], got 2.0"),
         (["generate", "def f(", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-        (["generate", "def f(", "--block-size", "1"], "--block-size must be >= 2, got 1"),
+        (
+            ["generate", "def f(", "--block-size", "1"],
+            r"block_size=1 must be an int in \[2, the drafter's block_size=16\]",
+        ),
         (["eval", "--limit", "0"], "--limit must be >= 1, got 0"),
         (
             ["generate", "def f(", "--max-new-tokens", "5000"],
-            "needs 5004 positions; the target has max_position_embeddings=4096",
+            r"prompt 0 \(4 tokens\) \+ max_new_tokens=5000 is 5004 positions, more than the target's "
+            "max_position_embeddings=4096",
         ),
-        (["generate", "def f(", "--block-size", "17"], "block_size"),
+        (
+            ["generate", "def f(", "--block-size", "17"],
+            r"block_size=17 must be an int in \[2, the drafter's block_size=16\]",
+        ),
     ],
 )
 def test_cli_errors(argv, match):
     with pytest.raises(SystemExit, match=match):
         main(argv)
+
+
+def test_cli_eval_checks_every_prompt_set_fits_before_any_run(tmp_path, capsys):
+    """The test windows (128 tokens) fit 3968 new tokens; HumanEval prompt 1 (130 tokens) does not.
+    The eval must refuse before it runs the test set, not after."""
+    np.save(tmp_path / "test.npy", np.arange(10_000, dtype=np.uint16) % 8000)
+    argv = ["eval", "--prompts", "test", "humaneval", "--limit", "2", "--methods", "ar", "--max-new-tokens", "3968"]
+    with pytest.raises(
+        SystemExit,
+        match=r"prompt 1 \(130 tokens\) \+ max_new_tokens=3968 is 4098 positions, more than the target's "
+        r"max_position_embeddings=4096",
+    ):
+        main([*argv, "--data", str(tmp_path)])
+    assert "prompts:" not in capsys.readouterr().out  # no set ran
+
+
+def test_cli_eval_checks_the_block_size_before_any_run(tmp_path, capsys):
+    np.save(tmp_path / "test.npy", np.arange(1000, dtype=np.uint16))
+    argv = ["eval", "--prompts", "test", "--limit", "1", "--methods", "ar", "dflash", "--block-size", "17"]
+    with pytest.raises(SystemExit, match=r"block_size=17 must be an int in \[2, the drafter's block_size=16\]"):
+        main([*argv, "--max-new-tokens", "4", "--data", str(tmp_path)])
+    assert '"method": "ar"' not in capsys.readouterr().out  # AR, listed first, did not run
 
 
 @pytest.mark.parametrize("bad", [8192, -1, 10**6])
