@@ -15,10 +15,13 @@ import os
 import sys
 import time
 
+EXPECTED_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
+"""Bad input, missing or unreadable files, unsupported features (ConfigError and
+CheckpointError are ValueErrors): reported as one `error: ...` line."""
+
 
 def _load(args):
     import jax
-    import jax.numpy as jnp
 
     from ddtree_jax import checkpoint, config, model
 
@@ -26,15 +29,16 @@ def _load(args):
         path = args.checkpoint
         if not os.path.isdir(path):
             sys.exit(f"error: checkpoint directory {path!r} does not exist")
+        check = not args.no_check_finite
         if os.path.isdir(os.path.join(path, "params")):
-            return checkpoint.restore_checkpoint(path, dtype=jnp.dtype(args.dtype)), f"orbax checkpoint {path}"
-        return checkpoint.load_target(path, dtype=args.dtype), f"HF checkpoint {path}"
+            return checkpoint.restore_checkpoint(path, dtype=args.dtype, check_finite=check), f"orbax checkpoint {path}"
+        return checkpoint.load_target(path, dtype=args.dtype, check_finite=check), f"HF checkpoint {path}"
     if args.preset not in config.PRESETS:
         sys.exit(f"error: unknown preset {args.preset!r}; choose one of {sorted(config.PRESETS)}")
     cfg = config.PRESETS[args.preset]
     if cfg.num_params() > 2e9:
         sys.exit(f"error: preset {args.preset!r} has {cfg.num_params() / 1e9:.0f}B parameters; too large to init here")
-    params = model.init_params(cfg, jax.random.PRNGKey(args.seed), dtype=jnp.dtype(args.dtype))
+    params = model.init_params(cfg, jax.random.PRNGKey(args.seed), dtype=args.dtype)
     return params, f"random {args.preset} ({cfg.num_params() / 1e6:.1f}M params, seed {args.seed})"
 
 
@@ -55,6 +59,7 @@ def demo(args) -> None:
         top_p=args.top_p,
         key=jax.random.key(args.seed),
         stop_token_ids=(),
+        numerics=args.numerics,
     )
     print(f"target: {what}; device: {jax.devices()[0].device_kind}")
     t0 = time.perf_counter()
@@ -72,6 +77,14 @@ def demo(args) -> None:
         f"method=ar batch={args.batch} new_tokens={n} compile+run {t_first:.2f}s, "
         f"run {dt * 1e3:.1f} ms = {n / dt:.0f} tokens/s"
     )
+    _exit_if_nonfinite(result)
+
+
+def _exit_if_nonfinite(result) -> None:
+    """Exits non-zero, naming each row and token, if generation met NaN / Inf logits."""
+    errors = result.nonfinite_errors()
+    if errors:
+        sys.exit("error: non-finite logits: " + "; ".join(errors))
 
 
 _COMPILED: set = set()
@@ -94,9 +107,11 @@ def _timed_generate(shipped, ids_batch, lengths, args, method, budget):
         key=jax.random.key(args.seed),
         prompt_lengths=lengths,
         stop_token_ids=None if args.stop else (),
+        numerics=args.numerics,
     )
     drafter = None if method == "ar" else shipped.drafter
     shapes = (method, budget, tuple(ids_batch.shape), args.max_new_tokens, args.block_size, args.temperature)
+    shapes += (args.numerics,)
     if shapes not in _COMPILED:
         generate(shipped.target, drafter, ids_batch, **kw).tokens.block_until_ready()
         _COMPILED.add(shapes)
@@ -111,18 +126,19 @@ def _load_shipped(args, need_drafter):
     from ddtree_jax.drafters import as_drafter
     from ddtree_jax.shipped import load_shipped
 
-    try:
-        shipped = load_shipped(args.checkpoints, dtype=args.dtype, need_drafter=need_drafter)
-        if need_drafter:
-            as_drafter(shipped.drafter, args.block_size)
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    shipped = load_shipped(
+        args.checkpoints, dtype=args.dtype, need_drafter=need_drafter, check_finite=not args.no_check_finite
+    )
+    if need_drafter:
+        as_drafter(shipped.drafter, args.block_size)
     return shipped
 
 
 def _check_args(args):
-    """Refuses bad methods, budgets and sampling settings before any checkpoint is loaded."""
+    """Refuses bad methods, budgets, dtypes and sampling settings before any checkpoint is loaded."""
+    from ddtree_jax.checks import check_dtype
     from ddtree_jax.generate import METHODS
+    from ddtree_jax.numerics import NUMERICS
     from ddtree_jax.sampling import SamplingConfig
     from ddtree_jax.tree import check_budget
 
@@ -136,8 +152,12 @@ def _check_args(args):
             for b in budgets:
                 check_budget(b)
         SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        if args.dtype is not None:
+            check_dtype(args.dtype, "--dtype")
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if args.numerics is not None and args.numerics not in NUMERICS:
+        sys.exit(f"error: unknown --numerics {args.numerics!r}; choose one of {NUMERICS}")
     if args.max_new_tokens < 1:
         sys.exit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if getattr(args, "limit", None) is not None and args.limit < 1:
@@ -163,6 +183,7 @@ def generate_cmd(args) -> None:
         f"method={args.method} budget={args.budget if args.method == 'ddtree' else '-'} new_tokens={len(out)} "
         f"rounds={rounds} tau={tau} time={dt * 1e3:.1f} ms tokens/s={len(out) / dt:.0f}"
     )
+    _exit_if_nonfinite(res)
 
 
 def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
@@ -228,6 +249,7 @@ def _eval_run(shipped, prompts, args, method, budget) -> dict:
         padded = np.zeros((1, width), np.int32)
         padded[0, : len(ids)] = ids
         res, dt = _timed_generate(shipped, padded, [len(ids)], args, method, budget)
+        _exit_if_nonfinite(res)
         tokens += int(np.asarray(res.lengths).sum())
         rounds += int(np.asarray(res.rounds).sum())
         accepted += int(np.asarray(res.accept_lengths).sum())
@@ -253,6 +275,12 @@ def _sampling_args(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="store_true", help="stop at the end-of-text token")
+    _numerics_args(p)
+
+
+def _numerics_args(p) -> None:
+    p.add_argument("--numerics", default=None, help="exact or fast (default: exact for float32, fast otherwise)")
+    p.add_argument("--no-check-finite", action="store_true", help="skip the NaN / Inf check of the loaded weights")
 
 
 def main(argv=None) -> None:
@@ -284,13 +312,14 @@ def main(argv=None) -> None:
     d.add_argument("--top-k", type=int, default=0)
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--seed", type=int, default=0)
+    _numerics_args(d)
     args = ap.parse_args(argv)
     commands = {"demo": demo, "generate": generate_cmd, "eval": eval_cmd}
     if args.command == "demo" and args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
     try:
         commands[args.command](args)
-    except ValueError as e:  # the library's bad-input error names the value: no traceback
+    except EXPECTED_ERRORS as e:  # the library's errors name the value: one line, no traceback
         sys.exit(f"error: {e}")
 
 

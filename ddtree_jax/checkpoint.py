@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from ddtree_jax.checks import check_dtype, nonfinite_message, stored_dtype
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.model import AttentionParams, LayerParams, MLPParams, MoEParams, TargetParams
 from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
@@ -125,9 +126,15 @@ def _layer_entries(cfg: TargetConfig, moe: bool) -> list[Entry]:
 
 
 class _Reader:
-    """All tensors of an HF checkpoint directory, by name (prefixes stripped)."""
+    """All tensors of an HF checkpoint directory, by name (prefixes stripped).
 
-    def __init__(self, path: str):
+    `get` converts to `dtype` (when given) and, with `check_finite`, refuses a tensor
+    holding NaN or Inf, before or after the conversion, naming it.
+    """
+
+    def __init__(self, path: str, *, dtype=None, check_finite: bool = True):
+        self.dtype = dtype
+        self.check_finite = check_finite
         index = os.path.join(path, INDEX_FILE)
         if os.path.exists(index):
             try:
@@ -156,14 +163,25 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...], dtype=None) -> np.ndarray:
+        """The tensor `name`, checked against `shape`, in `dtype` (default: the reader's, else as stored)."""
         if name not in self.where:
             raise CheckpointError(f"missing weight {name!r} (expected shape {shape})")
         st, raw = self.where[name]
         if st.shape(raw) != tuple(shape):
             raise CheckpointError(f"weight {name!r} in {st.path} has shape {st.shape(raw)}, expected {tuple(shape)}")
         self.used.add(name)
-        return st.get(raw)
+        a = st.get(raw)
+        if self.check_finite and (bad := nonfinite_message(a, f"weight {name!r} in {st.path}")):
+            raise CheckpointError(f"{bad}; pass check_finite=False to load it anyway")
+        dtype = dtype or self.dtype
+        if dtype is None or a.dtype == dtype:
+            return a
+        with np.errstate(over="ignore"):
+            cast = np.asarray(a, dtype)
+        if self.check_finite and (bad := nonfinite_message(cast, f"weight {name!r} in {st.path} cast to {dtype}")):
+            raise CheckpointError(f"{bad} (the stored values overflow it); pass check_finite=False to load it anyway")
+        return cast
 
 
 def _set(tree: dict, path: str, value) -> None:
@@ -200,7 +218,7 @@ def _load_experts(reader: _Reader, cfg: TargetConfig, prefix: str) -> dict[str, 
     return out
 
 
-def load_target(path: str | os.PathLike, *, dtype=None) -> TargetParams:
+def load_target(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> TargetParams:
     """Loads an HF-format DeepSeek-V3 / Kimi-K2 checkpoint directory.
 
     Reads `config.json` and one or many `*.safetensors` files (with
@@ -211,26 +229,35 @@ def load_target(path: str | os.PathLike, *, dtype=None) -> TargetParams:
 
     Args:
       path: the checkpoint directory.
-      dtype: parameter dtype; None keeps the embedding's stored dtype. The
-        router stays float32.
+      dtype: parameter dtype (bfloat16, float16 or float32); None keeps the
+        embedding's stored dtype. The router stays float32.
+      check_finite: refuse a tensor holding NaN or Inf, as stored or once cast to
+        `dtype` (one pass over the weights; False skips it).
 
     Raises:
       FileNotFoundError: no directory, config.json or weight files.
-      CheckpointError: a missing, extra or mis-shaped weight, or a corrupt file.
+      CheckpointError: a missing, extra, mis-shaped or non-finite weight, or a corrupt file.
       ConfigError: a config the engine does not support.
+      ValueError: an unsupported dtype.
     """
     path = os.fspath(path)
+    if dtype is not None:
+        dtype = check_dtype(dtype)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     cfg = TargetConfig.from_json_file(os.path.join(path, "config.json"))
-    reader = _Reader(path)
+    reader = _Reader(path, dtype=dtype, check_finite=check_finite)
     h, v = cfg.hidden_size, cfg.vocab_size
     embed = reader.get("model.embed_tokens.weight", (v, h))
-    dtype = np.dtype(dtype) if dtype is not None else embed.dtype
+    if dtype is None:
+        dtype = stored_dtype(embed.dtype, f"the stored dtype of model.embed_tokens.weight in {path}")
+        reader.dtype = dtype
+        embed = reader.get("model.embed_tokens.weight", (v, h))
+    f32 = np.dtype(np.float32)
 
     def cast(a: np.ndarray, field: str) -> jax.Array:
         keep32 = field.endswith(("router", "router_bias"))
-        return jnp.asarray(np.asarray(a, np.float32 if keep32 else dtype))
+        return jnp.asarray(np.asarray(a, f32 if keep32 else dtype))
 
     stacks: dict[bool, dict] = {}
     for moe, layers in (
@@ -244,7 +271,8 @@ def load_target(path: str | os.PathLike, *, dtype=None) -> TargetParams:
         for li in layers:
             prefix = f"model.layers.{li}."
             for suffix, shape, field, to_ours, _ in entries:
-                a = to_ours(reader.get(prefix + suffix, shape))
+                keep32 = field.endswith(("router", "router_bias"))
+                a = to_ours(reader.get(prefix + suffix, shape, f32 if keep32 else None))
                 per_field.setdefault(field, []).append(a)
             kvb = reader.get(prefix + "self_attn.kv_b_proj.weight", entries[4][1])
             per_field.setdefault("attn.w_uv", []).append(
@@ -371,17 +399,24 @@ def save_checkpoint(params: TargetParams, path: str | os.PathLike) -> None:
         ckptr.save(os.path.join(path, "params"), serialization.to_state_dict(params), force=True)
 
 
-def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32) -> TargetParams:
+def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_finite: bool = True) -> TargetParams:
     """Restores what `save_checkpoint` wrote.
+
+    Args:
+      path: the checkpoint directory.
+      dtype: parameter dtype (bfloat16, float16 or float32); the router stays float32.
+      check_finite: refuse an array holding NaN or Inf (False skips the pass).
 
     Raises:
       FileNotFoundError: `path` or its parts are missing.
-      CheckpointError: the stored arrays do not match the config.
+      CheckpointError: the stored arrays do not match the config, or hold NaN / Inf.
+      ValueError: an unsupported dtype.
     """
     import orbax.checkpoint as ocp
 
     from ddtree_jax.model import init_params
 
+    dtype = check_dtype(dtype)
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(os.path.join(path, "params")):
         raise FileNotFoundError(f"no orbax checkpoint at {path!r} (expected {path}/params and {path}/config.json)")
@@ -393,4 +428,9 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32) -> TargetP
             restored = ckptr.restore(os.path.join(path, "params"), target)
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: stored params do not match its config.json ({e})") from None
-    return serialization.from_state_dict(template, restored)
+    params = serialization.from_state_dict(template, restored)
+    if check_finite:
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if bad := nonfinite_message(leaf, f"array {jax.tree_util.keystr(key_path)} in {path}"):
+                raise CheckpointError(f"{bad}; pass check_finite=False to load it anyway")
+    return params

@@ -45,6 +45,7 @@ def verify(
     *,
     tap_layers: tuple[int, ...] = (),
     implementation: str = "xla",
+    numerics: str | None = None,
 ) -> ForwardOutput:
     """One target forward over every tree slot at positions L + depth with the ancestor mask."""
     with jax.named_scope("verify"):
@@ -56,12 +57,16 @@ def verify(
             tree.visibility,
             tap_layers=tap_layers,
             implementation=implementation,
+            numerics=numerics,
+            span=tree.max_depth + 1,
         )
 
 
-def target_choices(target: TargetParams, hidden: jax.Array, key: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def target_choices(
+    target: TargetParams, hidden: jax.Array, key: jax.Array, sampling: SamplingConfig, numerics: str | None = None
+) -> jax.Array:
     """The target's token at every slot [B, N]: argmax, or an independent sample per slot."""
-    return choose(logits(target, hidden), key, sampling)
+    return choose(logits(target, hidden, numerics=numerics), key, sampling)
 
 
 def accept(tree: trees.DraftTree, choices: jax.Array) -> Acceptance:

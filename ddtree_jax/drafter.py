@@ -35,6 +35,7 @@ import numpy as np
 from flax import struct
 
 from ddtree_jax.checkpoint import IGNORED, _Reader, _t
+from ddtree_jax.checks import check_dtype, stored_dtype
 from ddtree_jax.config import ConfigError, TargetConfig, read_json
 from ddtree_jax.layers import apply_rope, einsum, linear, rms_norm, rope_inv_freq, swiglu
 from ddtree_jax.safetensors_io import CheckpointError, save_file
@@ -299,7 +300,11 @@ class DrafterConfig:
         return cls.from_hf_config(read_json(path))
 
     def check_compatible(self, target: TargetConfig) -> None:
-        """Raises ConfigError if this drafter cannot run on `target` (shapes, taps, vocabulary)."""
+        """Raises ConfigError if this drafter cannot run on `target`, naming the first mismatch
+        in this order: vocabulary, hidden size, tapped layers. (The mask token then lies in the
+        target's vocabulary: the drafter's own config keeps it below its vocab_size.)"""
+        if self.vocab_size != target.vocab_size:
+            raise ConfigError(f"drafter vocab_size={self.vocab_size} != target vocab_size={target.vocab_size}")
         if self.hidden_size != target.hidden_size:
             raise ConfigError(f"drafter hidden_size={self.hidden_size} != target hidden_size={target.hidden_size}")
         n = target.num_hidden_layers
@@ -308,12 +313,6 @@ class DrafterConfig:
         bad = [layer for layer in self.target_layer_ids if not 0 <= layer < n]
         if bad:
             raise ConfigError(f"drafter target_layer_ids {bad} outside the target's layers [0, {n})")
-        if self.mask_token_id >= target.vocab_size:
-            raise ConfigError(
-                f"drafter mask_token_id={self.mask_token_id} is outside the target vocabulary [0, {target.vocab_size})"
-            )
-        if self.vocab_size != target.vocab_size:
-            raise ConfigError(f"drafter vocab_size={self.vocab_size} != target vocab_size={target.vocab_size}")
 
 
 def drafter_config_for(
@@ -403,6 +402,7 @@ class DrafterParams:
 
 def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> DrafterParams:
     """Random weights: normal(0, std) matrices, unit norms."""
+    dtype = check_dtype(dtype)
     keys = iter(jax.random.split(key, 8))
 
     def normal(*shape):
@@ -744,32 +744,40 @@ def _top_entries(cfg: DrafterConfig) -> list[Entry]:
     ]
 
 
-def load_drafter(path: str | os.PathLike, *, dtype=None) -> DrafterParams:
+def load_drafter(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> DrafterParams:
     """Loads an HF-format DFlash drafter directory (config.json + safetensors, index optional).
 
     Weight names may carry a "model." prefix.
 
     Args:
       path: the checkpoint directory.
-      dtype: parameter dtype; None keeps the stored dtype of `fc.weight`.
+      dtype: parameter dtype (bfloat16, float16 or float32); None keeps the stored
+        dtype of `fc.weight`.
+      check_finite: refuse a tensor holding NaN or Inf, as stored or once cast to
+        `dtype` (False skips the pass).
 
     Raises:
       FileNotFoundError: no directory, config.json or weight files.
-      CheckpointError: a missing, extra or mis-shaped weight, or a corrupt file.
+      CheckpointError: a missing, extra, mis-shaped or non-finite weight, or a corrupt file.
       ConfigError: a config the drafter does not support.
+      ValueError: an unsupported dtype.
     """
     path = os.fspath(path)
+    if dtype is not None:
+        dtype = check_dtype(dtype)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"drafter directory {path!r} does not exist")
     cfg = DrafterConfig.from_json_file(os.path.join(path, "config.json"))
-    reader = _Reader(path)
+    reader = _Reader(path, dtype=dtype, check_finite=check_finite)
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         prefixed = "model." + name
         return reader.get(prefixed if not reader.has(name) and reader.has(prefixed) else name, shape)
 
     top = {field: to_ours(get(suffix, shape)) for suffix, shape, field, to_ours, _ in _top_entries(cfg)}
-    dtype = np.dtype(dtype) if dtype is not None else top["fc"].dtype
+    if dtype is None:
+        dtype = stored_dtype(top["fc"].dtype, f"the stored dtype of fc.weight in {path}")
+        reader.dtype = dtype
 
     def cast(a: np.ndarray) -> jax.Array:
         return jnp.asarray(np.asarray(a, dtype))

@@ -20,6 +20,7 @@ from flax import struct
 
 from ddtree_jax import drafter as dflash
 from ddtree_jax.cache import KVCache
+from ddtree_jax.checks import check_int
 from ddtree_jax.model import TargetParams, causal_mask, forward, logits
 
 
@@ -122,6 +123,7 @@ def as_drafter(drafter: Any, block_size: int | None):
         raise ValueError(f"the drafter's block_size must be >= 2, got {own}")
     if block_size is None:
         return drafter
-    if not isinstance(block_size, int) or not 2 <= block_size <= own:
+    block_size = check_int("block_size", block_size)
+    if not 2 <= block_size <= own:
         raise ValueError(f"block_size={block_size!r} must be an int in [2, the drafter's block_size={own}]")
     return drafter.replace(block_size=block_size)

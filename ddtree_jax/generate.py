@@ -21,9 +21,12 @@ from flax import struct
 
 from ddtree_jax import decode
 from ddtree_jax.cache import KVCache
+from ddtree_jax.checks import check_dtype, check_int
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
 from ddtree_jax.model import TargetParams, append, logits
+from ddtree_jax.numerics import resolve as resolve_numerics
+from ddtree_jax.pallas import IMPLEMENTATIONS
 from ddtree_jax.sampling import SamplingConfig, choose
 from ddtree_jax.tree import check_budget
 
@@ -47,6 +50,11 @@ class GenerateResult:
         token; 0 once a row is done). A row's last round counts its whole acceptance even
         when a stop token or max_new_tokens emits fewer of those tokens.
       stopped: [B] True where a stop token ended the row (else max_new_tokens did).
+      nonfinite_at: [B] where the target's logits for a row's next token held a NaN or
+        Inf, the index of that token (the row ended there, that token not emitted);
+        -1 where all were finite.
+      draft_nonfinite: [B] True where the drafter's logits held a NaN or Inf in some
+        round (the output is still the target's own; only acceptance suffers).
     """
 
     tokens: jax.Array
@@ -55,11 +63,22 @@ class GenerateResult:
     rounds: jax.Array
     accept_lengths: jax.Array
     stopped: jax.Array
+    nonfinite_at: jax.Array
+    draft_nonfinite: jax.Array
 
     def to_lists(self) -> list[list[int]]:
         """Generated ids per row as Python lists (one host transfer)."""
         tokens, lengths = jax.device_get((self.tokens, self.lengths))
         return [row[:n].tolist() for row, n in zip(tokens, lengths, strict=True)]
+
+    def nonfinite_errors(self) -> list[str]:
+        """One message per row that met non-finite logits (target or drafter); empty if none."""
+        at, draft = jax.device_get((self.nonfinite_at, self.draft_nonfinite))
+        errors = [
+            f"row {i}: the target's logits for new token {int(j)} were not finite" for i, j in enumerate(at) if j >= 0
+        ]
+        errors += [f"row {i}: the drafter's logits were not finite" for i, bad in enumerate(draft) if bad]
+        return errors
 
     @property
     def tau(self) -> float:
@@ -79,6 +98,8 @@ class _State:
     stopped: jax.Array  # [B]
     rounds: jax.Array  # [B]
     accept: jax.Array  # [M, B]
+    nonfinite_at: jax.Array  # [B]
+    draft_nonfinite: jax.Array  # [B]
     key: jax.Array
 
 
@@ -97,20 +118,36 @@ class _Static:
     cache_capacity: int
     cache_dtype: str
     implementation: str
+    numerics: str
 
 
 def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static):
     """Prompt into the target cache (and its tapped features into the drafter's)."""
     b, p = prompts.shape
     taps = drafter.tap_layers if drafter is not None else ()
-    out, cache = append(target, cache, prompts, prompt_lengths, tap_layers=taps, implementation=st.implementation)
+    out, cache = append(
+        target,
+        cache,
+        prompts,
+        prompt_lengths,
+        tap_layers=taps,
+        implementation=st.implementation,
+        numerics=st.numerics,
+    )
     last = out.hidden[jnp.arange(b), prompt_lengths - 1]
     draft_state = None
     if drafter is not None:
         idx = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         draft_state = drafter.init_state(target, b, st.cache_capacity)
         draft_state = drafter.observe(draft_state, out.taps, idx, idx < prompt_lengths[:, None])
-    return logits(target, last), cache, draft_state
+    return logits(target, last, numerics=st.numerics), cache, draft_state
+
+
+def _first_nonfinite(finite: jax.Array, path: jax.Array) -> jax.Array:
+    """Index along the accepted path [B, Dp] of the first slot whose logits were not
+    finite (finite: [B, N]), or Dp if none."""
+    ok = jnp.take_along_axis(finite, path, axis=1)
+    return jnp.where(jnp.all(ok, axis=1), path.shape[1], jnp.argmin(ok, axis=1))
 
 
 def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
@@ -120,19 +157,31 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
     active = ~s.done
     key, k_draft, k_choice = jax.random.split(s.key, 3)
     draft_logits = None
+    draft_nonfinite = s.draft_nonfinite
     if drafter is not None:
         with jax.named_scope("draft"):
             draft_logits = drafter.propose(s.draft_state, target, s.cache, s.root, k_draft)
+        draft_nonfinite |= active & ~jnp.all(jnp.isfinite(draft_logits), axis=(1, 2))
     tree = decode.build_tree(st.method, draft_logits, s.root, st.budget)
     out = decode.verify(
-        target, s.cache, tree, tap_layers=drafter.tap_layers if drafter else (), implementation=st.implementation
+        target,
+        s.cache,
+        tree,
+        tap_layers=drafter.tap_layers if drafter else (),
+        implementation=st.implementation,
+        numerics=st.numerics,
     )
-    acc = decode.accept(tree, decode.target_choices(target, out.hidden, k_choice, st.sampling))
+    slot_logits = logits(target, out.hidden, numerics=st.numerics)  # [B, N, V]
+    acc = decode.accept(tree, choose(slot_logits, k_choice, st.sampling))
     new = decode.path_tokens(tree, acc)  # [B, Dp]
     j = jnp.arange(new.shape[1])[None, :]
-    n_emit = jnp.minimum(acc.length, m - s.lengths)[:, None]
+    # A token chosen from non-finite logits is not emitted: the row ends before it.
+    first_bad = _first_nonfinite(jnp.all(jnp.isfinite(slot_logits), axis=-1), acc.path)
+    n_room = jnp.minimum(acc.length, m - s.lengths)
+    n_emit = jnp.minimum(n_room, first_bad)[:, None]
     is_stop = _is_stop(new, stop_ids) & (j < n_emit)
     has_stop = jnp.any(is_stop, axis=1) & active
+    nonfinite = active & ~has_stop & (first_bad < n_room)
     n_emit = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n_emit[:, 0]) * active
     tokens = s.tokens.at[rows, jnp.where(j < n_emit[:, None], s.lengths[:, None] + j, m)].set(new, mode="drop")
     draft_state = s.draft_state
@@ -149,10 +198,12 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
         root=jnp.where(active, acc.bonus, s.root),
         tokens=tokens,
         lengths=lengths,
-        done=s.done | stopped | (lengths >= m),
+        done=s.done | stopped | nonfinite | (lengths >= m),
         stopped=stopped,
         rounds=s.rounds + active,
         accept=s.accept.at[jnp.where(active, s.rounds, m), rows[:, 0]].set(acc.length, mode="drop"),
+        nonfinite_at=jnp.where(nonfinite, s.lengths + first_bad, s.nonfinite_at),
+        draft_nonfinite=draft_nonfinite,
         key=key,
     )
 
@@ -167,17 +218,20 @@ def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _S
     first_logits, cache, draft_state = _prefill(target, drafter, cache, prompts, prompt_lengths, st)
     key, sub = jax.random.split(key)
     first = choose(first_logits, sub, st.sampling)
-    stopped = _is_stop(first, stop_ids)
+    finite = jnp.all(jnp.isfinite(first_logits), axis=-1)
+    stopped = _is_stop(first, stop_ids) & finite
     state = _State(
         cache=cache,
         draft_state=draft_state,
         root=first,
-        tokens=jnp.full((b, m), PAD, jnp.int32).at[:, 0].set(first),
-        lengths=jnp.ones((b,), jnp.int32),
-        done=stopped | (m <= 1),
+        tokens=jnp.full((b, m), PAD, jnp.int32).at[:, 0].set(jnp.where(finite, first, PAD)),
+        lengths=finite.astype(jnp.int32),
+        done=stopped | ~finite | (m <= 1),
         stopped=stopped,
         rounds=jnp.zeros((b,), jnp.int32),
         accept=jnp.zeros((m, b), jnp.int32),
+        nonfinite_at=jnp.where(finite, -1, 0).astype(jnp.int32),
+        draft_nonfinite=jnp.zeros((b,), jnp.bool_),
         key=key,
     )
     with jax.named_scope("decode_loop"):
@@ -191,6 +245,8 @@ def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _S
         rounds=s.rounds,
         accept_lengths=s.accept,
         stopped=s.stopped,
+        nonfinite_at=s.nonfinite_at,
+        draft_nonfinite=s.draft_nonfinite,
     )
 
 
@@ -271,6 +327,7 @@ def generate(
     cache_capacity: int | None = None,
     cache_dtype=None,
     implementation: str = "xla",
+    numerics: str | None = None,
 ) -> GenerateResult:
     """Generates continuations of a batch of prompts, by AR, DFlash or DDTree decoding.
 
@@ -306,9 +363,14 @@ def generate(
         and the routed experts; interpret mode on a CPU backend). With weights
         placed by `sharding.shard_target`, the kernels run per shard under that
         mesh: heads and experts over "model", the batch over "data".
+      numerics: "exact" or "fast" (`ddtree_jax.numerics`). Default "exact" for
+        float32 weights with implementation="xla": greedy output is then bitwise the
+        same at any cache capacity, for every method, alone or in a padded batch;
+        "fast" otherwise.
 
     Returns:
-      A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`).
+      A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`;
+      `nonfinite_at` / `draft_nonfinite` flag NaN or Inf logits met).
 
     Raises:
       ValueError / TypeError / ConfigError: on bad input, naming the offending value.
@@ -320,9 +382,14 @@ def generate(
     cfg = target.config
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    numerics = resolve_numerics(numerics, target.dtype, implementation)
     if prompts is None:
         raise ValueError("no prompts given")
     budget = 0
+    if block_size is not None:
+        check_int("block_size", block_size)
     if method == "ar":
         drafter = None
     else:
@@ -334,9 +401,8 @@ def generate(
         if method == "ddtree":
             budget = DEFAULT_BUDGET if tree_budget is None else tree_budget
             check_budget(budget)
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     if not sampling.greedy and key is None:
         raise ValueError(f"temperature={temperature} samples: pass a PRNG key, e.g. key=jax.random.key(0)")
     if key is None:
@@ -344,7 +410,11 @@ def generate(
     ids, lengths = _as_batch(prompts, prompt_lengths, cfg.vocab_size)
     if stop_token_ids is None:
         stop_token_ids = () if cfg.eos_token_id is None else (cfg.eos_token_id,)
-    stop = [int(t) for t in stop_token_ids]
+    if isinstance(stop_token_ids, (np.ndarray, jax.Array)) and stop_token_ids.ndim == 1:
+        stop_token_ids = np.asarray(stop_token_ids).tolist()  # array elements as Python numbers
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Sequence):
+        raise TypeError(f"stop_token_ids must be a sequence of ints, got {stop_token_ids!r}")
+    stop = [check_int(f"stop_token_ids[{i}]", t) for i, t in enumerate(stop_token_ids)]
     for t in stop:
         if not 0 <= t < cfg.vocab_size:
             raise ValueError(f"stop token id {t} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -357,6 +427,7 @@ def generate(
         # so that kernels streaming the cache in blocks never pad (copy) it.
         widest = ids.shape[1] + int(max_new_tokens) + depth
         cache_capacity = -(-widest // CACHE_ALIGN) * CACHE_ALIGN
+    cache_capacity = check_int("cache_capacity", cache_capacity, minimum=1)
     if cache_capacity < needed:
         i = int(np.argmax(lengths))
         raise ValueError(
@@ -369,8 +440,9 @@ def generate(
         max_new_tokens=int(max_new_tokens),
         sampling=sampling,
         cache_capacity=int(cache_capacity),
-        cache_dtype=jnp.dtype(cache_dtype or target.dtype).name,
+        cache_dtype=check_dtype(cache_dtype or target.dtype, "cache_dtype").name,
         implementation=implementation,
+        numerics=numerics,
     )
     args = (target, drafter, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop or [PAD], jnp.int32), key)
     mesh = _params_mesh(target) if implementation == "pallas" else None

@@ -19,9 +19,14 @@ LATENT_NORM_EPS = 1e-6
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, cast back to x's dtype before the weight (as HF does)."""
+    """RMSNorm in float32, cast back to x's dtype before the weight (as HF does).
+
+    A row whose mean square overflows float32 comes out NaN (not the zeros that
+    x * rsqrt(inf) gives), so that an overflowing activation is reported, not hidden.
+    """
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = jnp.where(jnp.isinf(ms), jnp.nan, xf * jax.lax.rsqrt(ms + eps))
     return weight * xf.astype(x.dtype)
 
 

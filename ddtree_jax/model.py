@@ -8,13 +8,14 @@ Notation:
 
 Weights are stored [in, out] (x @ w). Layers of one kind are stacked on a
 leading axis and run with `lax.scan`: one compiled layer body per kind, whatever
-the depth; stacks of at most `UNROLL_MAX_LAYERS` layers are unrolled instead.
+the depth; with "fast" numerics, stacks of at most `UNROLL_MAX_LAYERS` layers are unrolled instead.
 Attention is absorbed MLA against a latent cache (`cache.KVCache`); kv_b_proj
 is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import chex
@@ -23,10 +24,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from ddtree_jax.cache import KVCache, LatentKV
+from ddtree_jax.checks import check_dtype
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, einsum, linear, rms_norm, rope_tables, swiglu
+from ddtree_jax.numerics import resolve as resolve_numerics
+from ddtree_jax.numerics import tile_rows
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
+from ddtree_jax.pallas.moe.reference import moe_experts_reference
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
 # round trip for the predicate, which dominates a small, launch-bound target. Deep
@@ -116,6 +121,7 @@ class ForwardOutput:
 
 def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> TargetParams:
     """Random weights: normal(0, std) matrices, unit norms, a small random router bias."""
+    dtype = check_dtype(dtype)
     keys = iter(jax.random.split(key, 64))
 
     def normal(*shape):
@@ -174,6 +180,7 @@ def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.float32, std: float
 
 def cast_params(params: TargetParams, dtype) -> TargetParams:
     """Casts every weight to dtype except the router and its bias (kept float32)."""
+    dtype = check_dtype(dtype)
     cast = jax.tree.map(lambda a: a.astype(dtype), params)
     moe = params.moe_layers
     if moe is None:
@@ -193,7 +200,8 @@ def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -
     the unbiased sigmoid scores, renormalised if norm_topk_prob, times
     routed_scaling_factor.
     """
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router, precision="highest"))  # [T, E]
+    z = jnp.dot(x.astype(jnp.float32), router, precision="highest")  # [T, E]
+    scores = jax.nn.sigmoid(z)
     choice = scores + bias
     t, e = choice.shape
     if cfg.topk_group < cfg.n_group:
@@ -205,22 +213,59 @@ def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -
         choice = jnp.where(keep, choice, -jnp.inf)
     _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=1)
+    # The sigmoid saturates and top_k ranks NaN: a non-finite router logit or bias would
+    # still pick experts with finite weights. Such a token's weights are made NaN, so it shows.
+    ok = jnp.all(jnp.isfinite(z), axis=-1, keepdims=True) & jnp.all(jnp.isfinite(bias))
+    w = jnp.where(ok, w, jnp.nan)
     if cfg.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) -> tuple[jax.Array, jax.Array]:
-    """Routed experts + shared experts. x [B, T, H] -> ([B, T, H], tokens per expert [E])."""
+def _moe_tokens(cfg: TargetConfig, p: MoEParams, flat: jax.Array, experts) -> tuple[jax.Array, jax.Array]:
+    """Routed experts (computed by `experts`) + shared experts. flat [T, H] -> ([T, H], idx [T, K])."""
     with jax.named_scope("moe"):
-        b, t, h = x.shape
-        flat = x.reshape(b * t, h)
         idx, w = route(cfg, flat, p.router, p.router_bias)
-        y = moe_experts(flat, idx, w, p.gate, p.up, p.down, implementation=implementation)
+        y = experts(flat, idx, w, p.gate, p.up, p.down)
         if p.shared is not None:
             y = y + swiglu(flat, p.shared.gate, p.shared.up, p.shared.down)
-        counts = jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32), axis=(0, 1))
-        return y.reshape(b, t, h), counts
+        return y, idx
+
+
+def _expert_counts(cfg: TargetConfig, idx: jax.Array) -> jax.Array:
+    """Tokens routed to each expert [E] from expert ids [T, K]."""
+    return jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32), axis=(0, 1))
+
+
+def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) -> tuple[jax.Array, jax.Array]:
+    """Routed experts + shared experts. x [B, T, H] -> ([B, T, H], tokens per expert [E])."""
+    b, t, h = x.shape
+    experts = functools.partial(moe_experts, implementation=implementation)
+    y, idx = _moe_tokens(cfg, p, x.reshape(b * t, h), experts)
+    return y.reshape(b, t, h), _expert_counts(cfg, idx)
+
+
+def _attn_inputs(cfg: TargetConfig, p: AttentionParams, x: jax.Array, cos: jax.Array, sin: jax.Array, kv_dtype):
+    """Normed x [B, T, H] -> q_lat [B, T, N, R], q_pe [B, T, N, P] (x's dtype), c_kv [B, T, R], k_pe [B, T, P]."""
+    d, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = linear(x, p.q)
+    else:
+        q = linear(rms_norm(linear(x, p.q_a), p.q_a_norm, LATENT_NORM_EPS), p.q_b)  # [B, T, N, D + P]
+    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos, sin)
+    kv = linear(x, p.kv_a)  # [B, T, R + P]
+    # Rounded to the cache dtype so that a token attends to itself exactly as it
+    # will later attend to its committed cache entry.
+    c_kv = rms_norm(kv[..., :r], p.kv_a_norm, LATENT_NORM_EPS).astype(kv_dtype)
+    k_pe = apply_rope(kv[..., r:], cos, sin).astype(kv_dtype)
+    q_lat = einsum("btnd,ndr->btnr", q_nope, p.w_uk).astype(x.dtype)
+    return q_lat, q_pe, c_kv, k_pe
+
+
+def _attn_output(p: AttentionParams, o_lat: jax.Array, dtype) -> jax.Array:
+    """Attention-weighted latents [B, T, N, R] -> the layer's attention output [B, T, H]."""
+    o = einsum("btnr,nvr->btnv", o_lat.astype(dtype), p.w_uv).astype(dtype)
+    return einsum("btnv,nvh->bth", o, p.o).astype(dtype)
 
 
 def mla(
@@ -236,18 +281,7 @@ def mla(
     implementation: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Absorbed MLA. Returns (out [B, T, H], c_kv [B, T, R], k_pe [B, T, P]) of the new tokens."""
-    d, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank is None:
-        q = linear(x, p.q)
-    else:
-        q = linear(rms_norm(linear(x, p.q_a), p.q_a_norm, LATENT_NORM_EPS), p.q_b)  # [B, T, N, D + P]
-    q_nope, q_pe = q[..., :d], apply_rope(q[..., d:], cos, sin)
-    kv = linear(x, p.kv_a)  # [B, T, R + P]
-    # Rounded to the cache dtype so that a token attends to itself exactly as it
-    # will later attend to its committed cache entry.
-    c_kv = rms_norm(kv[..., :r], p.kv_a_norm, LATENT_NORM_EPS).astype(cache_ckv.dtype)
-    k_pe = apply_rope(kv[..., r:], cos, sin).astype(cache_kpe.dtype)
-    q_lat = einsum("btnd,ndr->btnr", q_nope, p.w_uk).astype(x.dtype)
+    q_lat, q_pe, c_kv, k_pe = _attn_inputs(cfg, p, x, cos, sin, cache_ckv.dtype)
     o_lat = mla_attention(
         q_lat,
         q_pe,
@@ -259,33 +293,92 @@ def mla(
         new_mask,
         scale=cfg.softmax_scale,
         implementation=implementation,
-    ).astype(x.dtype)
-    o = einsum("btnr,nvr->btnv", o_lat, p.w_uv).astype(x.dtype)
-    out = einsum("btnv,nvh->bth", o, p.o).astype(x.dtype)
-    return out, c_kv, k_pe
+    )
+    return _attn_output(p, o_lat, x.dtype), c_kv, k_pe
+
+
+def _exact_layer(
+    cfg: TargetConfig,
+    lp: LayerParams,
+    x: jax.Array,  # [B, T, H]
+    positions: jax.Array,  # [B, T]
+    cache_ckv: jax.Array,  # [B, S, R]
+    cache_kpe: jax.Array,  # [B, S, P]
+    cache_len: jax.Array,  # [B]
+    new_mask: jax.Array,  # [B, T, T]
+    span: int,
+):
+    """One decoder layer in "exact" numerics (numerics.py): the per-token work in row
+    tiles, attention in position-aligned key blocks.
+
+    Returns (x, c_kv [B, T, R], k_pe [B, T, P], expert ids [B * T, K] | None).
+    """
+    b, t, h = x.shape
+    n, r = cfg.num_attention_heads, cfg.kv_lora_rank
+
+    def pre(xt, pt):  # [TM, H], [TM]
+        cos, sin = rope_tables(cfg, pt[None])
+        out = _attn_inputs(cfg, lp.attn, rms_norm(xt, lp.attn_norm, cfg.rms_norm_eps)[None], cos, sin, cache_ckv.dtype)
+        return jax.tree.map(lambda a: a[0], out)
+
+    q_lat, q_pe, c_kv, k_pe = tile_rows(pre, x.reshape(b * t, h), positions.reshape(b * t))
+    c_kv, k_pe = c_kv.reshape(b, t, r), k_pe.reshape(b, t, -1)
+    o_lat = mla_attention(
+        q_lat.reshape(b, t, n, r),
+        q_pe.reshape(b, t, n, -1),
+        cache_ckv,
+        cache_kpe,
+        cache_len,
+        c_kv,
+        k_pe,
+        new_mask,
+        scale=cfg.softmax_scale,
+        implementation="exact",
+        positions=positions,
+        span=span,
+    )
+    is_moe = isinstance(lp.mlp, MoEParams)
+
+    def post(xt, ot):  # [TM, H], [TM, N, R]
+        xt = xt + _attn_output(lp.attn, ot[None], xt.dtype)[0]
+        hx = rms_norm(xt, lp.mlp_norm, cfg.rms_norm_eps)
+        if not is_moe:
+            return xt + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down), None
+        y, idx = _moe_tokens(cfg, lp.mlp, hx, moe_experts_reference)  # every expert per tile: fixed shapes
+        return xt + y, idx
+
+    x, idx = tile_rows(post, x.reshape(b * t, h), o_lat.reshape(b * t, n, r))
+    return x.reshape(b, t, h), c_kv, k_pe, idx
 
 
 def _run_layers(
     cfg: TargetConfig,
     layers: LayerParams,
-    x: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
+    x: jax.Array,  # [B, T, H]
+    positions: jax.Array,  # [B, T]
     cache_ckv: jax.Array,  # [Lk, B, S, R] (this kind's slice)
     cache_kpe: jax.Array,
     cache_len: jax.Array,
     new_mask: jax.Array,
     keep_hidden: bool,
     implementation: str,
+    numerics: str,
+    span: int,
 ):
     """Scans one stack of same-kind layers.
 
     Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
     """
     is_moe = isinstance(layers.mlp, MoEParams)
+    cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
 
     def body(x, xs):
         lp, ckv, kpe = xs
+        counts = None
+        if numerics == "exact":
+            x, c_new, k_new, idx = _exact_layer(cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span)
+            counts = _expert_counts(cfg, idx) if is_moe else None
+            return x, (c_new, k_new, x if keep_hidden else None, counts)
         attn_out, c_new, k_new = mla(
             cfg,
             lp.attn,
@@ -300,7 +393,6 @@ def _run_layers(
         )
         x = x + attn_out
         hx = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        counts = None
         if is_moe:
             y, counts = moe_ffn(cfg, lp.mlp, hx, implementation)
             x = x + y
@@ -308,7 +400,9 @@ def _run_layers(
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
         return x, (c_new, k_new, x if keep_hidden else None, counts)
 
-    unroll = cache_ckv.shape[0] <= UNROLL_MAX_LAYERS
+    # "exact" loops over row tiles and key blocks anyway; unrolling its layers would only
+    # multiply the compile time (the shipped target's generate: 20 s unrolled, 14 s scanned).
+    unroll = numerics == "fast" and cache_ckv.shape[0] <= UNROLL_MAX_LAYERS
     x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe), unroll=unroll)
     return x, c_kv, k_pe, hidden, counts
 
@@ -326,6 +420,8 @@ def forward(
     *,
     tap_layers: Sequence[int] = (),
     implementation: str = "xla",
+    numerics: str | None = None,
+    span: int | None = None,
 ) -> ForwardOutput:
     """Runs T new tokens per sequence against a committed latent cache.
 
@@ -342,6 +438,14 @@ def forward(
       new_mask: visibility among the new tokens.
       tap_layers: layer indices whose outputs to return (for the drafter).
       implementation: "xla" or "pallas" for the attention / MoE kernels.
+      numerics: "exact" or "fast" (numerics.py); default "exact" for float32
+        weights on the XLA path. "exact" needs the new tokens a query sees at
+        distinct positions in [cache.lengths, cache.lengths + span) (causal and
+        tree masks are), and is for inference: its key-block loop has a
+        data-dependent length, which reverse-mode autodiff cannot run (training
+        passes "fast").
+      span: static bound on the new tokens' offsets from cache.lengths ("exact"
+        only; default T).
 
     Returns:
       ForwardOutput with the final-normed hidden states; apply `logits` to the
@@ -357,9 +461,12 @@ def forward(
     for layer in tap_layers:
         if not 0 <= layer < cfg.num_hidden_layers:
             raise ValueError(f"tap layer {layer} outside [0, {cfg.num_hidden_layers})")
+    numerics = resolve_numerics(numerics, params.dtype, implementation)
+    span = t if span is None else span
+    if not isinstance(span, int) or span < 1:
+        raise ValueError(f"span must be a positive int, got {span!r}")
     keep_hidden = bool(tap_layers)
     x = params.embed[tokens]
-    cos, sin = rope_tables(cfg, positions)
     ld = cfg.num_dense_layers
     c_parts, k_parts, h_parts = [], [], []
     for layers, sl in ((params.dense_layers, slice(0, ld)), (params.moe_layers, slice(ld, None))):
@@ -369,14 +476,15 @@ def forward(
             cfg,
             layers,
             x,
-            cos,
-            sin,
+            positions,
             cache.c_kv[sl],
             cache.k_pe[sl],
             cache.lengths,
             new_mask,
             keep_hidden,
             implementation,
+            numerics,
+            span,
         )
         c_parts.append(c_kv)
         k_parts.append(k_pe)
@@ -385,14 +493,24 @@ def forward(
     taps = None
     if keep_hidden:
         taps = jnp.concatenate(h_parts)[jnp.asarray(tap_layers)]
-    return ForwardOutput(
-        hidden=rms_norm(x, params.final_norm, cfg.rms_norm_eps), kv=kv, taps=taps, expert_counts=counts
-    )
+    if numerics == "exact":
+        hidden = tile_rows(lambda xt: rms_norm(xt, params.final_norm, cfg.rms_norm_eps), x.reshape(b * t, -1))
+        hidden = hidden.reshape(x.shape)
+    else:
+        hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    return ForwardOutput(hidden=hidden, kv=kv, taps=taps, expert_counts=counts)
 
 
-def logits(params: TargetParams, hidden: jax.Array) -> jax.Array:
-    """Float32 logits [..., V] from final-normed hidden states [..., H]."""
-    return jnp.dot(hidden, params.unembed, preferred_element_type=jnp.float32)
+def logits(params: TargetParams, hidden: jax.Array, *, numerics: str | None = None) -> jax.Array:
+    """Float32 logits [..., V] from final-normed hidden states [..., H].
+
+    numerics: as in `forward` ("exact" computes each row in a fixed-shape tile).
+    """
+    if resolve_numerics(numerics, params.dtype) == "fast":
+        return jnp.dot(hidden, params.unembed, preferred_element_type=jnp.float32)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    out = tile_rows(lambda h: jnp.dot(h, params.unembed, preferred_element_type=jnp.float32), rows)
+    return out.reshape((*hidden.shape[:-1], out.shape[-1]))
 
 
 def causal_mask(lengths: jax.Array, t: int) -> jax.Array:
@@ -410,6 +528,7 @@ def append(
     *,
     tap_layers: Sequence[int] = (),
     implementation: str = "xla",
+    numerics: str | None = None,
 ) -> tuple[ForwardOutput, KVCache]:
     """Runs `tokens[b, :lengths[b]]` causally after each row's committed cache and commits them.
 
@@ -428,6 +547,7 @@ def append(
         causal_mask(lengths, t),
         tap_layers=tap_layers,
         implementation=implementation,
+        numerics=numerics,
     )
     slots = jnp.where(idx < lengths[:, None], positions, cache.capacity)
     return out, cache.write(out.kv, slots).replace(lengths=cache.lengths + lengths)
@@ -440,12 +560,13 @@ def prefill(
     lengths: jax.Array,  # [B] valid tokens per row
     *,
     implementation: str = "xla",
+    numerics: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Appends `tokens[b, :lengths[b]]` after each sequence's committed cache.
 
     Returns (logits [B, V] float32 at each row's last valid token, updated cache).
     Rows with lengths[b] == 0 are left unchanged (their logits are meaningless).
     """
-    out, cache = append(params, cache, tokens, lengths, implementation=implementation)
+    out, cache = append(params, cache, tokens, lengths, implementation=implementation, numerics=numerics)
     last = out.hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
-    return logits(params, last), cache
+    return logits(params, last, numerics=resolve_numerics(numerics, params.dtype, implementation)), cache

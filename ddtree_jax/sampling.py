@@ -9,9 +9,14 @@ keeps speculative sampling lossless.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.checks import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,11 +34,16 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+            # Plain floats: the config is a static (hashed) argument of the jitted loop.
+            object.__setattr__(self, name, float(value))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k, minimum=0))
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
 
     @property

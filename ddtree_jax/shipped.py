@@ -28,11 +28,14 @@ def checkpoints_dir(path: str | None = None) -> str:
     return path or os.environ.get("DDTREE_CHECKPOINTS") or DEFAULT_DIR
 
 
-def load_shipped(path: str | None = None, *, dtype=None, need_drafter: bool = True) -> Shipped:
+def load_shipped(
+    path: str | None = None, *, dtype=None, need_drafter: bool = True, check_finite: bool = True
+) -> Shipped:
     """Loads target, drafter and tokenizer from a checkpoints folder.
 
     Raises:
       FileNotFoundError: the folder or one of its parts is missing (named).
+      CheckpointError: a weight is missing, mis-shaped or (with check_finite) NaN / Inf.
     """
     root = checkpoints_dir(path)
     if not os.path.isdir(root):
@@ -44,8 +47,8 @@ def load_shipped(path: str | None = None, *, dtype=None, need_drafter: bool = Tr
         if not os.path.exists(p):
             raise FileNotFoundError(f"{name} missing: expected {p!r}")
     tok = Tokenizer.load(parts["tokenizer"])
-    target = checkpoint.load_target(parts["target"], dtype=dtype)
-    draft = dflash.load_drafter(parts["drafter"], dtype=dtype) if need_drafter else None
+    target = checkpoint.load_target(parts["target"], dtype=dtype, check_finite=check_finite)
+    draft = dflash.load_drafter(parts["drafter"], dtype=dtype, check_finite=check_finite) if need_drafter else None
     if target.config.vocab_size != tok.vocab_size:
         raise ValueError(f"tokenizer vocab {tok.vocab_size} != target vocab {target.config.vocab_size}")
     return Shipped(target=target, drafter=draft, tokenizer=tok)

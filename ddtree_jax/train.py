@@ -92,14 +92,15 @@ def _sequence_forward(params: TargetParams, tokens: jax.Array, tap_layers: tuple
     cache = KVCache.init(params.config, b, 1, params.dtype)  # one slot, never visible (lengths 0)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = causal_mask(jnp.full((b,), t, jnp.int32), t)
-    return forward(params, tokens, positions, cache, mask, tap_layers=tap_layers)
+    # "fast": training needs gradients and speed, not decode-time bitwise invariance.
+    return forward(params, tokens, positions, cache, mask, tap_layers=tap_layers, numerics="fast")
 
 
 def target_loss(params: TargetParams, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Mean next-token NLL of tokens [B, T + 1] (positions 0..T-1 predict 1..T), and expert counts [Lm, E]."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     out = _sequence_forward(params, inputs)
-    logp = jax.nn.log_softmax(logits(params, out.hidden), axis=-1)
+    logp = jax.nn.log_softmax(logits(params, out.hidden, numerics="fast"), axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     return jnp.mean(nll), out.expert_counts
 
@@ -162,7 +163,7 @@ def teacher_logprobs(target: TargetParams, hidden: jax.Array, anchors: jax.Array
     """
     pos = anchors[:, :, None] + jnp.arange(block_size - 1)[None, None, :]  # [B, A, bs-1]
     h = jnp.take_along_axis(hidden[:, None, :, :], pos[..., None], axis=2)  # [B, A, bs-1, H]
-    return jax.lax.stop_gradient(jax.nn.log_softmax(logits(target, h).astype(jnp.float32), axis=-1))
+    return jax.lax.stop_gradient(jax.nn.log_softmax(logits(target, h, numerics="fast").astype(jnp.float32), axis=-1))
 
 
 def drafter_loss(

@@ -66,8 +66,10 @@ class DraftTree:
 
 
 def check_budget(budget) -> None:
-    """Raises ValueError unless budget is an int in [1, MAX_BUDGET]."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
+    """Raises TypeError unless budget is an int (not a bool or a float), ValueError outside [1, MAX_BUDGET]."""
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, np.integer)):
+        raise TypeError(f"tree budget must be an int in [1, {MAX_BUDGET}], got {budget!r} ({type(budget).__name__})")
+    if not 1 <= budget <= MAX_BUDGET:
         raise ValueError(f"tree budget must be an int in [1, {MAX_BUDGET}], got {budget!r}")
 
 

@@ -140,7 +140,7 @@ def main():
     def teacher_forced(tokens, anchors):  # [1, T], [1, A]
         feats, hidden = train.target_outputs(target, tokens, params.config.target_layer_ids)
         drafted = jnp.argmax(drafter.train_logits(params, target.embed, target.unembed, feats, tokens, anchors), -1)
-        lg = logits(target, hidden).astype(jnp.float32)  # [1, T, V]; row t predicts token t + 1
+        lg = logits(target, hidden, numerics="fast").astype(jnp.float32)  # [1, T, V]; row t predicts token t + 1
         top2, idx2 = jax.lax.top_k(lg, 2)
         p1 = jnp.max(jax.nn.softmax(lg, -1), -1)
         return drafted[0], p1[0], (top2[..., 0] - top2[..., 1])[0], idx2[0, :, 1]

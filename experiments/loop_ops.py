@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=64, help="random prompt tokens")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--numerics", default=None, help="exact or fast (default: generate's for the dtype)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -89,6 +90,7 @@ def main():
         tree_budget=args.budget if args.method == "ddtree" else None,
         max_new_tokens=4,
         stop_token_ids=(),
+        numerics=args.numerics,
     )
     jax.block_until_ready(res.tokens)
     hlo = sorted(glob.glob(os.path.join(dump, "*jit__generate*after_optimizations.txt")), key=os.path.getmtime)

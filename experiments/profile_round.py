@@ -56,15 +56,22 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3) -> float:
-    """Seconds per round of `generate`'s while loop: (t(tokens) - t(1)) / rounds."""
+def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, **kwargs) -> float:
+    """Seconds per round of `generate`'s while loop: (t(tokens) - t(1)) / rounds (kwargs: to generate)."""
 
     draft = None if method == "ar" else dparams
 
     def run(m):
         def call():
             res = generate(
-                target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=()
+                target,
+                draft,
+                prompts,
+                method=method,
+                tree_budget=budget,
+                max_new_tokens=m,
+                stop_token_ids=(),
+                **kwargs,
             )
             jax.block_until_ready(res.tokens)
             return res

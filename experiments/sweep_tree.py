@@ -96,6 +96,7 @@ def run_one(shipped, groups, args, temperature, method, block_size, budget) -> d
         temperature=temperature,
         key=jax.random.key(args.seed),
         stop_token_ids=None if args.stop else (),
+        numerics=args.numerics,
     )
     drafter = None if method == "ar" else shipped.drafter
     hist_len = 1 if method == "ar" else block_size
@@ -293,6 +294,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoints", default=None, help="folder with target/, drafter/, tokenizer.json")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--numerics", default=None, help="exact or fast (default: generate's for the dtype)")
     ap.add_argument("--prompts", default="humaneval", choices=("humaneval", "test"))
     ap.add_argument("--limit", type=int, default=16, help="use the first N prompts (0 = all)")
     ap.add_argument("--data", default="data", help="prepared data folder (test split, HumanEval fallback)")

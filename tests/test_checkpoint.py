@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -136,3 +137,28 @@ def test_int4_experts_rejected_clearly(params, tmp_path):
     rewrite(tmp_path, to_packed)
     with pytest.raises(CheckpointError, match="INT4"):
         checkpoint.load_target(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int8", "float7", "bf16", "float64", "bool"])
+def test_unsupported_dtypes_are_refused(params, tmp_path, dtype):
+    """int32 used to truncate every weight to zero; float7 and bf16 ended in numpy tracebacks."""
+    checkpoint.save_hf(params, tmp_path)
+    with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported; choose one of"):
+        checkpoint.load_target(tmp_path, dtype=dtype)
+    from ddtree_jax import drafter, model
+
+    with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
+        model.init_params(params.config, jax.random.PRNGKey(0), dtype=dtype)
+    with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
+        model.cast_params(params, dtype)
+    with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
+        drafter.load_drafter(tmp_path, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
+        checkpoint.restore_checkpoint(tmp_path, dtype=dtype)
+
+
+def test_float64_weights_load_as_float32(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    rewrite(tmp_path, lambda t: t.update({k: v.astype(np.float64) for k, v in t.items()}))
+    loaded = checkpoint.load_target(tmp_path)
+    assert loaded.embed.dtype == np.float32 and same(loaded, params)

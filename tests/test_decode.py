@@ -291,6 +291,12 @@ def test_bad_inputs(target):
         generate(target, d, p, method="ddtree", tree_budget=2000)
     with pytest.raises(ValueError, match=r"block_size=8 .*drafter's block_size=4"):
         generate(target, d, p, method="ddtree", block_size=8)
+    for bad, error in ((2.0, TypeError), (True, TypeError), (np.float32(3), TypeError), (0, ValueError)):
+        with pytest.raises(error, match="budget"):
+            generate(target, d, p, method="ddtree", tree_budget=bad)
+    for bad in (3.0, True, np.bool_(True)):
+        with pytest.raises(TypeError, match=rf"block_size must be an int, got {bad!r}"):
+            generate(target, d, p, method="dflash", block_size=bad)
     with pytest.raises(ValueError, match="needs a drafter"):
         generate(target, p, method="ddtree")
     other = dataclasses.replace(TARGET_CFG, vocab_size=300)

@@ -439,7 +439,10 @@ def test_check_compatible():
         (dict(hidden_size=32, head_dim=8), "hidden_size=32 != target hidden_size=64"),
         (dict(vocab_size=300), "vocab_size=300 != target vocab_size=256"),
         (dict(target_layer_ids=(0, 3), num_target_layers=None), r"target_layer_ids \[3\]"),
-        (dict(vocab_size=512, mask_token_id=300), "mask_token_id=300"),
+        # A larger vocabulary is named as such, before its mask id or anything else.
+        (dict(vocab_size=512, mask_token_id=300), "vocab_size=512 != target vocab_size=256"),
+        (dict(vocab_size=512, hidden_size=32, head_dim=8, num_target_layers=4), "vocab_size=512"),
+        (dict(hidden_size=32, head_dim=8, num_target_layers=4), "hidden_size=32"),
         (dict(num_target_layers=4), "num_target_layers=4"),
     ]
     for change, match in cases:

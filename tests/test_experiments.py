@@ -127,7 +127,7 @@ def test_sweep_tree_writes_csv_json_and_plots(data_dir, tmp_path):
     proc = run_script(
         "sweep_tree.py",
         *("--prompts", "test", "--data", data, "--limit", 2, *grid),
-        *("--max-new-tokens", 8, "--dtype", "float32", "--out", out),
+        *("--max-new-tokens", 8, "--dtype", "float32", "--numerics", "fast", "--out", out),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "sweep.csv") as f:
@@ -216,7 +216,10 @@ def test_profile_round_times_stages_and_the_real_loop(tmp_path):
 
 def test_loop_ops_counts_the_decode_loop_body(tmp_path):
     out = tmp_path / "ops.json"
-    res = run_script("loop_ops.py", "--dtype", "float32", "--budget", "8", "--context", "16", "--out", out)
+    # "fast": the loop body whose launches the script counts (exact numerics nest loops in it).
+    res = run_script(
+        "loop_ops.py", "--dtype", "float32", "--numerics", "fast", "--budget", "8", "--context", "16", "--out", out
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(out.read_text())
     assert summary["by_kind"]["fusion"] > 100

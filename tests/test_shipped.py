@@ -202,7 +202,7 @@ def test_cli_eval_without_prepared_data_tokenizes_stdlib(tmp_path, capsys):
         (["eval", "--prompts", "nope", "--methods", "ar"], "unknown prompt set 'nope'"),
         (["generate", "def f(", "--budget", "0"], r"tree budget must be an int in \[1, 1024\], got 0"),
         (["eval", "--budgets", "16", "2000"], r"tree budget must be an int in \[1, 1024\], got 2000"),
-        (["generate", "def f(", "--temperature", "-1"], "temperature must be a number >= 0, got -1.0"),
+        (["generate", "def f(", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
         (["generate", "def f(", "--top-p", "2"], r"top_p must lie in \(0, 1\], got 2.0"),
         (["generate", "def f(", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (

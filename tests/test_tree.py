@@ -191,7 +191,9 @@ def test_chain_and_root_only():
     assert r.tokens.shape == (2, 1) and np.asarray(r.visibility).all()
 
 
-@pytest.mark.parametrize("budget", [0, -1, 1025, 2.5, True])
-def test_bad_budget(budget):
-    with pytest.raises(ValueError, match="budget"):
+@pytest.mark.parametrize(
+    ("budget", "error"), [(0, ValueError), (-1, ValueError), (1025, ValueError), (2.5, TypeError), (True, TypeError)]
+)
+def test_bad_budget(budget, error):
+    with pytest.raises(error, match="budget"):
         tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), budget)

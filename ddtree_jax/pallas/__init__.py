@@ -5,12 +5,13 @@ fallback) and `api.py` (one dispatch function with `implementation=`).
 """
 
 IMPLEMENTATIONS = ("xla", "pallas")
+"""What a user picks (`generate(implementation=...)`); an op may have more (mla_attention's "exact")."""
 
 
 def check_implementation(implementation: str, available: tuple[str, ...], op: str) -> None:
     """Raises a clear error for an unknown or not-yet-available implementation."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation not in IMPLEMENTATIONS + available:
+        raise ValueError(f"{op}: implementation must be one of {available}, got {implementation!r}")
     if implementation not in available:
         raise NotImplementedError(
             f"{op}: implementation={implementation!r} is not available yet (have {available}); use implementation='xla'"

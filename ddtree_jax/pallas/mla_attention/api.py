@@ -9,10 +9,11 @@ import jax
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas.mla_attention.exact import mla_attention_exact
 from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
-AVAILABLE = ("xla", "pallas")
+AVAILABLE = ("xla", "exact", "pallas")
 
 
 def mla_attention(
@@ -27,6 +28,8 @@ def mla_attention(
     *,
     scale: float,
     implementation: str = "xla",
+    positions: jax.Array | None = None,  # [B, T] int32, for "exact"
+    span: int | None = None,
 ) -> jax.Array:  # [B, T, N, R] float32
     """Absorbed-MLA attention of T query tokens over a latent cache plus themselves.
 
@@ -42,9 +45,15 @@ def mla_attention(
       new_mask: visibility among the new tokens (causal for prefill, the
         ancestor-or-self matrix for a draft tree).
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
-      implementation: "xla" (pure jnp) or "pallas" (the Triton-style kernel in
+      implementation: "xla" (pure jnp), "exact" (pure jnp in a rounding order fixed
+        by absolute positions, exact.py) or "pallas" (the Triton-style kernel in
         kernel.py; on a CPU backend it runs in interpret mode; under a
         `jax.set_mesh` context it runs per shard, heads over "model").
+      positions: absolute positions of the new tokens ("exact" only: it orders the
+        keys by them). Each query's visible new tokens must sit at distinct positions
+        in [cache_len, cache_len + span).
+      span: a static bound on the new tokens' offsets from cache_len ("exact" only);
+        default T.
 
     Returns:
       The attention-weighted latent values, float32.
@@ -60,6 +69,11 @@ def mla_attention(
     chex.assert_shape(new_kpe, (b, t, p))
     chex.assert_shape(new_mask, (b, t, t))
     args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
+    if implementation == "exact":
+        if positions is None:
+            raise ValueError("mla_attention(implementation='exact') needs the new tokens' positions")
+        chex.assert_shape(positions, (b, t))
+        return mla_attention_exact(*args, positions, scale, t if span is None else span)
     if implementation == "pallas":
         kernel = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
         mesh = sharding.context_mesh()

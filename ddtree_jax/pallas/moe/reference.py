@@ -34,6 +34,8 @@ def moe_experts_reference(x, idx, w, gate, up, down):
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
     y = einsum("eti,eih->eth", act, down).astype(x.dtype)
     comb = _combine_weights(idx, w, gate.shape[0])
+    # An expert no token chose adds nothing, even where its weights (and so y) are not finite.
+    y = jnp.where(jnp.any(idx[None, :, :] == jnp.arange(gate.shape[0])[:, None, None], axis=-1)[..., None], y, 0)
     return jnp.einsum("te,eth->th", comb, y.astype(f32)).astype(x.dtype)
 
 
