@@ -87,13 +87,12 @@ def _exit_if_nonfinite(result) -> None:
         sys.exit("error: non-finite logits: " + "; ".join(errors))
 
 
-_COMPILED: set = set()
-
-
-def _timed_generate(shipped, ids_batch, lengths, args, method, budget):
-    """(result, seconds) of one generate call; a first call of new shapes compiles untimed."""
+def _timed_generate(shipped, ids_batch, lengths, args, method, budget, compiled=None):
+    """(result, seconds) of one generate call; with `compiled` (evaluation.Compiled), a
+    first call of new shapes compiles untimed."""
     import jax
 
+    from ddtree_jax.evaluation import Compiled
     from ddtree_jax.generate import generate
 
     kw = dict(
@@ -110,15 +109,9 @@ def _timed_generate(shipped, ids_batch, lengths, args, method, budget):
         numerics=args.numerics,
     )
     drafter = None if method == "ar" else shipped.drafter
-    shapes = (method, budget, tuple(ids_batch.shape), args.max_new_tokens, args.block_size, args.temperature)
-    shapes += (args.numerics,)
-    if shapes not in _COMPILED:
-        generate(shipped.target, drafter, ids_batch, **kw).tokens.block_until_ready()
-        _COMPILED.add(shapes)
-    t0 = time.perf_counter()
-    res = generate(shipped.target, drafter, ids_batch, **kw)
-    res.tokens.block_until_ready()
-    return res, time.perf_counter() - t0
+    signature = (method, budget, tuple(ids_batch.shape))
+    seconds, res = (compiled or Compiled()).time(signature, lambda: generate(shipped.target, drafter, ids_batch, **kw))
+    return res, seconds
 
 
 def _load_shipped(args, need_drafter):
@@ -186,24 +179,10 @@ def generate_cmd(args) -> None:
     _exit_if_nonfinite(res)
 
 
-def _eval_prompts(prompt_set: str, args, tok) -> list[list[int]]:
-    from ddtree_jax import data
-
-    if prompt_set == "humaneval":
-        try:
-            prompts = data.eval_humaneval_prompts(tok, args.data)
-        except FileNotFoundError as e:
-            sys.exit(f"error: {e}")
-    elif prompt_set == "test":
-        prompts = data.eval_test_prompts(tok, args.data)
-    else:
-        sys.exit(f"error: unknown prompt set {prompt_set!r}; choose humaneval or test")
-    return prompts[: args.limit] if args.limit else prompts
-
-
 def eval_cmd(args) -> None:
     import json
 
+    from ddtree_jax import evaluation
     from ddtree_jax.generate import check_positions
 
     _check_args(args)
@@ -211,15 +190,17 @@ def eval_cmd(args) -> None:
         sys.exit(f"error: --bucket must be >= 1, got {args.bucket}")
     shipped = _load_shipped(args, need_drafter=any(m != "ar" for m in args.methods))
     # Every set first: an unknown or missing one fails before any generation.
-    prompt_sets = {name: _eval_prompts(name, args, shipped.tokenizer) for name in args.prompts}
+    prompt_sets = {name: evaluation.prompt_set(name, shipped.tokenizer, args.data, args.limit) for name in args.prompts}
     for prompts in prompt_sets.values():  # before any run: generate would refuse a long prompt mid-eval
         check_positions(shipped.target.config, [len(p) for p in prompts], args.max_new_tokens)
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+    compiled = evaluation.Compiled()
     rows = []
     for prompt_set, prompts in prompt_sets.items():
         set_rows = []
         for method, budget in runs:
-            set_rows.append(_eval_run(shipped, prompts, args, method, budget) | {"prompt_set": prompt_set})
+            row = _eval_run(shipped, prompts, args, method, budget, compiled) | {"prompt_set": prompt_set}
+            set_rows.append(row)
             print(json.dumps(set_rows[-1]), flush=True)
             if args.out:  # after every run: an eval cut short keeps what it measured
                 with open(args.out, "w") as f:
@@ -237,32 +218,18 @@ def eval_cmd(args) -> None:
             print(f"| {r['method']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.0f} | {speed} |")
 
 
-def _eval_run(shipped, prompts, args, method, budget) -> dict:
+def _eval_run(shipped, prompts, args, method, budget, compiled) -> dict:
     """One method over a prompt set at batch 1: tau and tokens/s over the timed calls."""
-    import numpy as np
+    from ddtree_jax.evaluation import Totals, bucket
 
-    tokens = rounds = accepted = 0
-    seconds = 0.0
+    totals = Totals()
     for ids in prompts:
         # Padded to multiples of --bucket tokens: one compilation per bucket, not per prompt.
-        width = -(-len(ids) // args.bucket) * args.bucket
-        padded = np.zeros((1, width), np.int32)
-        padded[0, : len(ids)] = ids
-        res, dt = _timed_generate(shipped, padded, [len(ids)], args, method, budget)
+        [(padded, lengths)] = bucket([ids], args.bucket)
+        res, dt = _timed_generate(shipped, padded, lengths, args, method, budget, compiled)
         _exit_if_nonfinite(res)
-        tokens += int(np.asarray(res.lengths).sum())
-        rounds += int(np.asarray(res.rounds).sum())
-        accepted += int(np.asarray(res.accept_lengths).sum())
-        seconds += dt
-    return {
-        "method": method,
-        "budget": budget,
-        "prompts": len(prompts),
-        "tau": accepted / max(rounds, 1),
-        "tokens_per_s": tokens / seconds,
-        "tokens": tokens,
-        "seconds": seconds,
-    }
+        totals.add(res, dt)
+    return {"method": method, "budget": budget} | totals.row()
 
 
 def _sampling_args(p) -> None:

@@ -4,11 +4,14 @@ Notation: B batch, N tree slots (1 + budget; slot 0 = root), D draft depth,
 Dp = D + 1 the longest accepted path (root included), L committed length.
 
 Plain AR decoding is the round whose tree is the root alone; DFlash's is a chain;
-DDTree's is the best tree under a budget. `step` composes the functions below and
-is what `generate` runs in its `lax.while_loop`.
+DDTree's is the best tree under a budget. `step` composes the functions below into
+the whole round (both caches committed) and is what `generate` runs in its
+`lax.while_loop`; `generate` adds only stop tokens, lengths and records.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -120,3 +123,87 @@ def commit(cache: KVCache, kv: LatentKV, acc: Acceptance, active: jax.Array) -> 
 def path_features(taps: jax.Array, acc: Acceptance) -> jax.Array:
     """Tapped target features [n_taps, B, N, H] at the accepted path -> [n_taps, B, Dp, H]."""
     return jnp.take_along_axis(taps, acc.path[None, :, :, None], axis=2)
+
+
+def first_nonfinite(finite: jax.Array, path: jax.Array) -> jax.Array:
+    """Index along the accepted path [B, Dp] of the first slot whose logits were not
+    finite (finite: [B, N]), or Dp if none."""
+    ok = jnp.take_along_axis(finite, path, axis=1)
+    return jnp.where(jnp.all(ok, axis=1), path.shape[1], jnp.argmin(ok, axis=1))
+
+
+@struct.dataclass
+class RoundOutput:
+    """What one round gives each row."""
+
+    tokens: jax.Array  # [B, Dp] accepted drafts then the bonus (`path_tokens`)
+    length: jax.Array  # [B] a: tokens accepted, root included (= tokens emitted)
+    bonus: jax.Array  # [B] the target's token after the path: the next root
+    first_nonfinite: jax.Array  # [B] index into `tokens` of the first chosen from non-finite logits; Dp if none
+    draft_nonfinite: jax.Array  # [B] bool: the drafter's logits were not all finite
+
+
+def step(
+    target: TargetParams,
+    drafter: Any,
+    cache: KVCache,
+    draft_state: Any,
+    roots: jax.Array,  # [B] newest token of each row, not yet in the cache
+    active: jax.Array,  # [B] bool: rows that take part (the others are left unchanged)
+    draft_key: jax.Array,
+    choice_key: jax.Array,
+    *,
+    method: str,
+    budget: int,
+    sampling: SamplingConfig,
+    implementation: str = "xla",
+    numerics: str | None = None,
+) -> tuple[KVCache, Any, RoundOutput]:
+    """One whole round: draft -> build tree -> verify -> accept -> commit.
+
+    Commits the accepted path of every active row to the target cache and its tapped
+    features to the drafter's context, so the next round starts from `bonus`.
+
+    Args:
+      target: target weights.
+      drafter: a drafter (`drafters.protocol`), or None for "ar".
+      cache: the committed target cache.
+      draft_state: the drafter's state (`drafter.init_state`), or None.
+      roots: each row's newest token.
+      active: rows to advance.
+      draft_key: the drafter's randomness.
+      choice_key: randomness of the target's sampled choices.
+      method: "ar", "dflash" or "ddtree" (see `build_tree`).
+      budget: DDTree node budget.
+      sampling: greedy or sampled choices (`sampling.SamplingConfig`).
+      implementation: kernel implementation of the verify forward.
+      numerics: "exact" / "fast" (numerics.py); None picks by dtype.
+
+    Returns:
+      (cache, draft_state, RoundOutput) after the round.
+    """
+    draft_logits = None
+    draft_nonfinite = jnp.zeros(roots.shape, jnp.bool_)
+    if drafter is not None:
+        with jax.named_scope("draft"):
+            draft_logits = drafter.propose(draft_state, target, cache, roots, draft_key)
+        draft_nonfinite = active & ~jnp.all(jnp.isfinite(draft_logits), axis=(1, 2))
+    with jax.named_scope("build_tree"):
+        tree = build_tree(method, draft_logits, roots, budget)
+    taps = drafter.tap_layers if drafter is not None else ()
+    out = verify(target, cache, tree, tap_layers=taps, implementation=implementation, numerics=numerics)
+    slot_logits = logits(target, out.hidden, numerics=numerics)  # [B, N, V]
+    acc = accept(tree, choose(slot_logits, choice_key, sampling))
+    if drafter is not None:
+        j = jnp.arange(acc.path.shape[1])[None, :]
+        valid = (j < acc.length[:, None]) & active[:, None]
+        feats = None if out.taps is None else path_features(out.taps, acc)
+        draft_state = drafter.observe(draft_state, feats, cache.lengths[:, None] + j, valid)
+    result = RoundOutput(
+        tokens=path_tokens(tree, acc),
+        length=acc.length,
+        bonus=acc.bonus,
+        first_nonfinite=first_nonfinite(jnp.all(jnp.isfinite(slot_logits), axis=-1), acc.path),
+        draft_nonfinite=draft_nonfinite,
+    )
+    return commit(cache, out.kv, acc, active), draft_state, result

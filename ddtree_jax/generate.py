@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ddtree_jax import decode
+from ddtree_jax import decode, sharding
 from ddtree_jax.cache import KVCache
 from ddtree_jax.checks import check_dtype, check_int
 from ddtree_jax.config import TargetConfig
@@ -143,67 +143,51 @@ def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static):
     return logits(target, last, numerics=st.numerics), cache, draft_state
 
 
-def _first_nonfinite(finite: jax.Array, path: jax.Array) -> jax.Array:
-    """Index along the accepted path [B, Dp] of the first slot whose logits were not
-    finite (finite: [B, N]), or Dp if none."""
-    ok = jnp.take_along_axis(finite, path, axis=1)
-    return jnp.where(jnp.all(ok, axis=1), path.shape[1], jnp.argmin(ok, axis=1))
-
-
 def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
-    """One draft -> tree -> verify -> accept -> commit round for every active row."""
+    """`decode.step` for every active row, then the output bookkeeping: stop tokens,
+    the room left, rows ended by non-finite logits, per-round records."""
     b, m = s.tokens.shape
     rows = jnp.arange(b)[:, None]
     active = ~s.done
     key, k_draft, k_choice = jax.random.split(s.key, 3)
-    draft_logits = None
-    draft_nonfinite = s.draft_nonfinite
-    if drafter is not None:
-        with jax.named_scope("draft"):
-            draft_logits = drafter.propose(s.draft_state, target, s.cache, s.root, k_draft)
-        draft_nonfinite |= active & ~jnp.all(jnp.isfinite(draft_logits), axis=(1, 2))
-    tree = decode.build_tree(st.method, draft_logits, s.root, st.budget)
-    out = decode.verify(
+    cache, draft_state, r = decode.step(
         target,
+        drafter,
         s.cache,
-        tree,
-        tap_layers=drafter.tap_layers if drafter else (),
+        s.draft_state,
+        s.root,
+        active,
+        k_draft,
+        k_choice,
+        method=st.method,
+        budget=st.budget,
+        sampling=st.sampling,
         implementation=st.implementation,
         numerics=st.numerics,
     )
-    slot_logits = logits(target, out.hidden, numerics=st.numerics)  # [B, N, V]
-    acc = decode.accept(tree, choose(slot_logits, k_choice, st.sampling))
-    new = decode.path_tokens(tree, acc)  # [B, Dp]
-    j = jnp.arange(new.shape[1])[None, :]
+    j = jnp.arange(r.tokens.shape[1])[None, :]
     # A token chosen from non-finite logits is not emitted: the row ends before it.
-    first_bad = _first_nonfinite(jnp.all(jnp.isfinite(slot_logits), axis=-1), acc.path)
-    n_room = jnp.minimum(acc.length, m - s.lengths)
-    n_emit = jnp.minimum(n_room, first_bad)[:, None]
-    is_stop = _is_stop(new, stop_ids) & (j < n_emit)
+    n_room = jnp.minimum(r.length, m - s.lengths)
+    n_emit = jnp.minimum(n_room, r.first_nonfinite)[:, None]
+    is_stop = _is_stop(r.tokens, stop_ids) & (j < n_emit)
     has_stop = jnp.any(is_stop, axis=1) & active
-    nonfinite = active & ~has_stop & (first_bad < n_room)
+    nonfinite = active & ~has_stop & (r.first_nonfinite < n_room)
     n_emit = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n_emit[:, 0]) * active
-    tokens = s.tokens.at[rows, jnp.where(j < n_emit[:, None], s.lengths[:, None] + j, m)].set(new, mode="drop")
-    draft_state = s.draft_state
-    if drafter is not None:
-        positions = s.cache.lengths[:, None] + j
-        valid = (j < acc.length[:, None]) & active[:, None]
-        feats = None if out.taps is None else decode.path_features(out.taps, acc)
-        draft_state = drafter.observe(draft_state, feats, positions, valid)
+    tokens = s.tokens.at[rows, jnp.where(j < n_emit[:, None], s.lengths[:, None] + j, m)].set(r.tokens, mode="drop")
     lengths = s.lengths + n_emit
     stopped = s.stopped | has_stop
     return _State(
-        cache=decode.commit(s.cache, out.kv, acc, active),
+        cache=cache,
         draft_state=draft_state,
-        root=jnp.where(active, acc.bonus, s.root),
+        root=jnp.where(active, r.bonus, s.root),
         tokens=tokens,
         lengths=lengths,
         done=s.done | stopped | nonfinite | (lengths >= m),
         stopped=stopped,
         rounds=s.rounds + active,
-        accept=s.accept.at[jnp.where(active, s.rounds, m), rows[:, 0]].set(acc.length, mode="drop"),
-        nonfinite_at=jnp.where(nonfinite, s.lengths + first_bad, s.nonfinite_at),
-        draft_nonfinite=draft_nonfinite,
+        accept=s.accept.at[jnp.where(active, s.rounds, m), rows[:, 0]].set(r.length, mode="drop"),
+        nonfinite_at=jnp.where(nonfinite, s.lengths + r.first_nonfinite, s.nonfinite_at),
+        draft_nonfinite=s.draft_nonfinite | r.draft_nonfinite,
         key=key,
     )
 
@@ -448,8 +432,9 @@ def generate(
     mesh = _params_mesh(target) if implementation == "pallas" else None
     if mesh is None:
         return _generate(*args, st=st)
-    # Pallas kernels are opaque to GSPMD: under the params' mesh they run per shard.
-    with jax.set_mesh(mesh):
+    # Pallas kernels are opaque to GSPMD: under the params' mesh, with the rules the
+    # weights were placed by, they run per shard.
+    with sharding.use_mesh(mesh, sharding.placed_rules(target)):
         return _generate(*args, st=st)
 
 

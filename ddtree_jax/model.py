@@ -16,15 +16,17 @@ is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from ddtree_jax import weights
 from ddtree_jax.cache import KVCache, LatentKV
-from ddtree_jax.checks import check_dtype
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, einsum, linear, rms_norm, rope_tables, swiglu
 from ddtree_jax.numerics import resolve as resolve_numerics
@@ -32,6 +34,7 @@ from ddtree_jax.numerics import tile_rows
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
+from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
 # round trip for the predicate, which dominates a small, launch-bound target. Deep
@@ -116,77 +119,203 @@ class ForwardOutput:
 
 
 # ----------------------------------------------------------------------------------
-# Initialisation
+# Weight declarations (weights.py): init, abstract shapes, sharding and HF I/O derive from them.
+
+# Keys `init_params` splits its key into; each weight's `seed` picks one (kept fixed so
+# a seed gives the same weights as before the declarations existed).
+NUM_INIT_KEYS = 64
+
+
+def _rope_perm(p: int, interleave: bool) -> np.ndarray:
+    """Index map new[j] = old[perm[j]] taking HF's interleaved rope layout to halves."""
+    if not interleave:
+        return np.arange(p)
+    return np.concatenate([np.arange(0, p, 2), np.arange(1, p, 2)])
+
+
+def declare(cfg: TargetConfig) -> TargetParams:
+    """Every target weight, declared once: a TargetParams whose leaves are `weights.Weight`s.
+
+    HF layout (torch Linear stores [out, in]) -> ours ([in, out], heads split out):
+      q_proj / q_b_proj [N*(D+P), in]  -> [in, N, D+P]   (rope columns de-interleaved)
+      kv_a_proj_with_mqa [R+P, H]      -> [H, R+P]       (rope columns de-interleaved)
+      kv_b_proj [N*(D+Dv), R]          -> W_UK [N, D, R], W_UV [N, Dv, R]
+      o_proj [H, N*Dv]                 -> [N, Dv, H]
+      routed experts, per expert (mlp.experts.J.*) or fused (mlp.experts.gate_up_proj
+      [E, 2I, H], mlp.experts.down_proj [E, H, I]) -> gate/up [E, H, I], down [E, I, H]
+    With `rope_interleave`, the rope output columns are permuted (evens, then odds),
+    which makes HF's interleaved rotation equal to the rotate-half one we compute.
+    """
+    h, n, r, p = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d, dv, v = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.vocab_size
+    perm = _rope_perm(p, cfg.rope_interleave)
+    q_cols = np.concatenate([np.arange(d), d + perm])
+    kv_cols = np.concatenate([np.arange(r), r + perm])
+    seeds = itertools.count()  # keys in the order the weights were first drawn
+
+    def layer_weight(ids, shape, axes, hf_name, hf_shape, to_ours=identity, to_hf=identity, **kw):
+        layout = kw.pop("layouts", ())
+        hf = (HFTensor(f"model.layers.{{layer}}.{hf_name}", hf_shape, to_ours, to_hf, kw.pop("join_axis", None)),)
+        seed = next(seeds) if kw.get("init", "normal") != "ones" else 0
+        return Weight((len(ids), *shape), ("layers", *axes), hf=hf + layout, layers=tuple(ids), seed=seed, **kw)
+
+    def norm(ids, size, axis, hf_name):
+        return layer_weight(ids, (size,), (axis,), hf_name, (size,), init="ones")
+
+    def q_proj(fan_in):
+        inv = np.argsort(q_cols)
+        return (
+            lambda a: np.transpose(a.reshape(n, d + p, fan_in)[:, q_cols, :], (2, 0, 1)),
+            lambda a: np.transpose(a, (1, 2, 0))[:, inv, :].reshape(n * (d + p), fan_in),
+        )
+
+    def attn(ids):
+        kv_inv = np.argsort(kv_cols)
+        fields = dict(
+            kv_a=layer_weight(
+                ids,
+                (h, r + p),
+                ("embed", None),
+                "self_attn.kv_a_proj_with_mqa.weight",
+                (r + p, h),
+                lambda a: transpose(a[kv_cols]),
+                lambda a: transpose(a)[kv_inv],
+            ),
+            kv_a_norm=norm(ids, r, None, "self_attn.kv_a_layernorm.weight"),
+            # kv_b_proj holds W_UK and W_UV of each head, one after the other.
+            w_uk=layer_weight(
+                ids,
+                (n, d, r),
+                ("heads", None, None),
+                "self_attn.kv_b_proj.weight",
+                (n * (d + dv), r),
+                lambda a: a.reshape(n, d + dv, r)[:, :d],
+                join_axis=1,
+            ),
+            w_uv=layer_weight(
+                ids,
+                (n, dv, r),
+                ("heads", None, None),
+                "self_attn.kv_b_proj.weight",
+                (n * (d + dv), r),
+                lambda a: a.reshape(n, d + dv, r)[:, d:],
+                join_axis=1,
+            ),
+            o=layer_weight(
+                ids,
+                (n, dv, h),
+                ("heads", None, "embed"),
+                "self_attn.o_proj.weight",
+                (h, n * dv),
+                lambda a: transpose(a).reshape(n, dv, h),
+                lambda a: transpose(a.reshape(n * dv, h)),
+            ),
+        )
+        if cfg.q_lora_rank is None:
+            q = layer_weight(
+                ids, (h, n, d + p), ("embed", "heads", None), "self_attn.q_proj.weight", (n * (d + p), h), *q_proj(h)
+            )
+            return AttentionParams(q=q, **fields)
+        ql = cfg.q_lora_rank
+        q_a = layer_weight(ids, (h, ql), ("embed", None), "self_attn.q_a_proj.weight", (ql, h), transpose, transpose)
+        q_b = layer_weight(
+            ids, (ql, n, d + p), (None, "heads", None), "self_attn.q_b_proj.weight", (n * (d + p), ql), *q_proj(ql)
+        )
+        return AttentionParams(
+            q_a=q_a, q_a_norm=norm(ids, ql, None, "self_attn.q_a_layernorm.weight"), q_b=q_b, **fields
+        )
+
+    def mlp(ids, inter, hf_prefix):
+        def lin(shape, axes, name):
+            return layer_weight(ids, shape, axes, f"{hf_prefix}.{name}.weight", shape[::-1], transpose, transpose)
+
+        return MLPParams(
+            gate=lin((h, inter), ("embed", "mlp"), "gate_proj"),
+            up=lin((h, inter), ("embed", "mlp"), "up_proj"),
+            down=lin((inter, h), ("mlp", "embed"), "down_proj"),
+        )
+
+    def experts(ids):
+        e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+
+        def expert(name, shape, axes, fused_name, fused_shape, fused_to_ours):
+            fused = HFTensor(
+                f"model.layers.{{layer}}.mlp.experts.{fused_name}",
+                fused_shape,
+                fused_to_ours,
+                transpose,
+                join_axis=1 if fused_name == "gate_up_proj" else None,
+                layout="fused",
+            )
+            return layer_weight(
+                ids,
+                (e, *shape),
+                ("experts", *axes),
+                f"mlp.experts.{{expert}}.{name}.weight",
+                shape[::-1],
+                transpose,
+                transpose,
+                layouts=(fused,),
+            )
+
+        return dict(
+            gate=expert(
+                "gate_proj", (h, i), ("embed", None), "gate_up_proj", (e, 2 * i, h), lambda a: transpose(a[:, :i])
+            ),
+            up=expert("up_proj", (h, i), ("embed", None), "gate_up_proj", (e, 2 * i, h), lambda a: transpose(a[:, i:])),
+            down=expert("down_proj", (i, h), (None, "embed"), "down_proj", (e, h, i), transpose),
+        )
+
+    def layers(ids, ffn):
+        return LayerParams(
+            attn_norm=norm(ids, h, "embed", "input_layernorm.weight"),
+            attn=attn(ids),
+            mlp_norm=norm(ids, h, "embed", "post_attention_layernorm.weight"),
+            mlp=ffn,
+        )
+
+    dense_ids = range(cfg.num_dense_layers)
+    moe_ids = range(cfg.num_dense_layers, cfg.num_hidden_layers)
+    dense = layers(dense_ids, mlp(dense_ids, cfg.intermediate_size, "mlp")) if dense_ids else None
+    moe = None
+    if moe_ids:
+        e = cfg.n_routed_experts
+        router = layer_weight(
+            moe_ids, (h, e), ("embed", None), "mlp.gate.weight", (e, h), transpose, transpose, dtype=jnp.float32
+        )
+        bias = layer_weight(
+            moe_ids, (e,), (None,), "mlp.gate.e_score_correction_bias", (e,), init="uniform", dtype=jnp.float32
+        )
+        routed = experts(moe_ids)
+        shared = None
+        if cfg.n_shared_experts:
+            shared = mlp(moe_ids, cfg.moe_intermediate_size * cfg.n_shared_experts, "mlp.shared_experts")
+        moe = layers(moe_ids, MoEParams(router=router, router_bias=bias, shared=shared, **routed))
+    embed = Weight((v, h), ("vocab", "embed"), hf=(HFTensor("model.embed_tokens.weight", (v, h)),), seed=next(seeds))
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = Weight(
+            (h, v), ("embed", "vocab"), hf=(HFTensor("lm_head.weight", (v, h), transpose, transpose),), seed=next(seeds)
+        )
+    final_norm = Weight((h,), ("embed",), init="ones", hf=(HFTensor("model.norm.weight", (h,)),))
+    return TargetParams(
+        config=cfg, embed=embed, dense_layers=dense, moe_layers=moe, final_norm=final_norm, lm_head=lm_head
+    )
 
 
 def init_params(cfg: TargetConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> TargetParams:
     """Random weights: normal(0, std) matrices, unit norms, a small random router bias."""
-    dtype = check_dtype(dtype)
-    keys = iter(jax.random.split(key, 64))
+    return weights.init(declare(cfg), key, dtype, std, NUM_INIT_KEYS)
 
-    def normal(*shape):
-        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    h, n, r, p = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    d, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
-
-    def attn(nl):
-        common = dict(
-            kv_a=normal(nl, h, r + p),
-            kv_a_norm=jnp.ones((nl, r), dtype),
-            w_uk=normal(nl, n, d, r),
-            w_uv=normal(nl, n, dv, r),
-            o=normal(nl, n, dv, h),
-        )
-        if cfg.q_lora_rank is None:
-            return AttentionParams(q=normal(nl, h, n, d + p), **common)
-        q = cfg.q_lora_rank
-        return AttentionParams(
-            q_a=normal(nl, h, q), q_a_norm=jnp.ones((nl, q), dtype), q_b=normal(nl, q, n, d + p), **common
-        )
-
-    def mlp(nl, inter):
-        return MLPParams(gate=normal(nl, h, inter), up=normal(nl, h, inter), down=normal(nl, inter, h))
-
-    def layers(nl, ffn):
-        return LayerParams(
-            attn_norm=jnp.ones((nl, h), dtype), attn=attn(nl), mlp_norm=jnp.ones((nl, h), dtype), mlp=ffn
-        )
-
-    dense = (
-        layers(cfg.num_dense_layers, mlp(cfg.num_dense_layers, cfg.intermediate_size)) if cfg.num_dense_layers else None
-    )
-    moe = None
-    if cfg.num_moe_layers:
-        nl, e, i = cfg.num_moe_layers, cfg.n_routed_experts, cfg.moe_intermediate_size
-        ffn = MoEParams(
-            router=normal(nl, h, e).astype(jnp.float32),
-            router_bias=(0.1 * jax.random.uniform(next(keys), (nl, e), jnp.float32)),
-            gate=normal(nl, e, h, i),
-            up=normal(nl, e, h, i),
-            down=normal(nl, e, i, h),
-            shared=mlp(nl, i * cfg.n_shared_experts) if cfg.n_shared_experts else None,
-        )
-        moe = layers(nl, ffn)
-    return TargetParams(
-        config=cfg,
-        embed=normal(cfg.vocab_size, h),
-        dense_layers=dense,
-        moe_layers=moe,
-        final_norm=jnp.ones((h,), dtype),
-        lm_head=None if cfg.tie_word_embeddings else normal(h, cfg.vocab_size),
-    )
+def abstract_params(cfg: TargetConfig, dtype=jnp.bfloat16) -> TargetParams:
+    """The params' `jax.ShapeDtypeStruct`s (nothing allocated): for compile-only work on full-size configs."""
+    return weights.abstract(declare(cfg), dtype)
 
 
 def cast_params(params: TargetParams, dtype) -> TargetParams:
     """Casts every weight to dtype except the router and its bias (kept float32)."""
-    dtype = check_dtype(dtype)
-    cast = jax.tree.map(lambda a: a.astype(dtype), params)
-    moe = params.moe_layers
-    if moe is None:
-        return cast
-    mlp = cast.moe_layers.mlp.replace(router=moe.mlp.router, router_bias=moe.mlp.router_bias)
-    return cast.replace(moe_layers=cast.moe_layers.replace(mlp=mlp))
+    return weights.cast(declare(params.config), params, dtype)
 
 
 # ----------------------------------------------------------------------------------

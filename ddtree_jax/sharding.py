@@ -1,23 +1,27 @@
 """One sharding path: every parameter's logical axes, mapped to mesh axes in one place.
 
-Model code never names mesh axes. Each weight gets logical axis names from its
-place in the params pytree (`target_logical_axes`, `drafter_logical_axes`);
-`RULES` maps those names to the mesh axes of `make_mesh` ("data", "model"). A
-dimension the mesh axis does not divide stays replicated, so any config shards.
-`jax.jit` then propagates the shardings through `generate` (GSPMD).
+Model code never names mesh axes. Each weight declares logical axis names
+(`model.declare`, `drafters.dflash.declare`); `RULES` maps those names to the mesh
+axes of `make_mesh` ("data", "model"). A dimension the mesh axis does not divide
+stays replicated, so any config shards. `jax.jit` then propagates the shardings
+through `generate` (GSPMD).
 
 Tensor parallelism over "model": attention heads, dense-MLP and shared-expert
 intermediate units, routed experts (expert parallelism) and the vocabulary.
 The absorbed-MLA latent cache has a single shared KV head, so it is replicated
 over "model"; "data" is for the batch.
 
-Pallas kernels are opaque to GSPMD, so under a mesh context (`jax.set_mesh`, which
-`generate` enters for sharded params with implementation="pallas") their dispatch
-functions run them per shard with `shard_map`, with specs from the same logical
-axes (`context_mesh`, `spec_for`).
+Pallas kernels are opaque to GSPMD, so their dispatch functions run them per shard
+with `shard_map` under `use_mesh(mesh, rules)`, with specs from the same logical
+axes and the same rules (`kernel_spec`). `generate` enters it for sharded params
+with the rules read back from how the weights were placed (`placed_rules`), so
+custom rules given to `shard_target` reach the kernels too.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import numpy as np
@@ -34,103 +38,112 @@ RULES: dict[str, str | None] = {
     "embed": None,
     "layers": None,
 }
-"""Logical axis -> mesh axis. Names not listed (None in the tables below) are replicated."""
+"""Logical axis -> mesh axis. Names not listed (or None) are replicated."""
 
-# Logical axes of target weights by their field name (leading "layers" added for stacks).
-_TARGET_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("embed",),
-    "attn_norm": ("embed",),
-    "mlp_norm": ("embed",),
-    "attn.kv_a": ("embed", None),
-    "attn.kv_a_norm": (None,),
-    "attn.w_uk": ("heads", None, None),
-    "attn.w_uv": ("heads", None, None),
-    "attn.o": ("heads", None, "embed"),
-    "attn.q": ("embed", "heads", None),
-    "attn.q_a": ("embed", None),
-    "attn.q_a_norm": (None,),
-    "attn.q_b": (None, "heads", None),
-    "mlp.gate": ("embed", "mlp"),
-    "mlp.up": ("embed", "mlp"),
-    "mlp.down": ("mlp", "embed"),
-    "mlp.router": ("embed", None),
-    "mlp.router_bias": (None,),
-    "mlp.shared.gate": ("embed", "mlp"),
-    "mlp.shared.up": ("embed", "mlp"),
-    "mlp.shared.down": ("mlp", "embed"),
-}
-# Routed experts: [E, ...] with the expert axis sharded.
-_EXPERT_AXES: dict[str, tuple[str | None, ...]] = {
-    "mlp.gate": ("experts", "embed", None),
-    "mlp.up": ("experts", "embed", None),
-    "mlp.down": ("experts", None, "embed"),
-}
-_DRAFTER_AXES: dict[str, tuple[str | None, ...]] = {
-    "fc": (None, "embed"),
-    "hidden_norm": ("embed",),
-    "norm": ("embed",),
-    "input_norm": ("embed",),
-    "post_norm": ("embed",),
-    "q": ("embed", "heads", None),
-    "k": ("embed", "heads", None),
-    "v": ("embed", "heads", None),
-    "q_norm": (None,),
-    "k_norm": (None,),
-    "o": ("heads", None, "embed"),
-    "gate": ("embed", "mlp"),
-    "up": ("embed", "mlp"),
-    "down": ("mlp", "embed"),
-}
+_CONTEXT_RULES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ddtree_sharding_rules", default=None)
 
 
-def _field_path(path) -> list[str]:
-    return [getattr(k, "name", getattr(k, "key", str(k))) for k in path]
+def _declaration(params):
+    from ddtree_jax.drafters.dflash import DrafterParams
+    from ddtree_jax.drafters.dflash import declare as declare_drafter
+    from ddtree_jax.model import TargetParams
+    from ddtree_jax.model import declare as declare_target
+
+    if isinstance(params, TargetParams):
+        return declare_target(params.config)
+    if isinstance(params, DrafterParams):
+        return declare_drafter(params.config)
+    raise TypeError(f"no weight declarations for {type(params).__name__}; expected TargetParams or DrafterParams")
+
+
+def logical_axes(params):
+    """A pytree like `params` whose leaves are tuples of logical axis names (one per dim)."""
+    from ddtree_jax import weights
+
+    return weights.axes(_declaration(params))
 
 
 def target_logical_axes(params):
-    """A pytree like `params` whose leaves are tuples of logical axis names (one per dim)."""
-
-    def axes(path, leaf):
-        names = _field_path(path)
-        stacked = names[0] in ("dense_layers", "moe_layers")
-        key = ".".join(names[1:] if stacked else names)
-        table = _EXPERT_AXES if names[0] == "moe_layers" and key in _EXPERT_AXES else _TARGET_AXES
-        if key not in table:
-            raise KeyError(f"no logical axes for target weight {'.'.join(names)}")
-        out = (("layers",) if stacked else ()) + table[key]
-        if len(out) != leaf.ndim:
-            raise ValueError(f"logical axes {out} do not fit {'.'.join(names)} of shape {leaf.shape}")
-        return out
-
-    return jax.tree_util.tree_map_with_path(axes, params)
+    """Logical axes of the target's weights (see `logical_axes`)."""
+    return logical_axes(params)
 
 
 def drafter_logical_axes(params):
-    """Logical axes of a DFlash drafter's weights (see `target_logical_axes`)."""
+    """Logical axes of a DFlash drafter's weights (see `logical_axes`)."""
+    return logical_axes(params)
 
-    def axes(path, leaf):
-        names = _field_path(path)
-        stacked = names[0] == "layers"
-        out = (("layers",) if stacked else ()) + _DRAFTER_AXES[names[-1]]
-        if len(out) != leaf.ndim:
-            raise ValueError(f"logical axes {out} do not fit drafter {'.'.join(names)} of shape {leaf.shape}")
-        return out
 
-    return jax.tree_util.tree_map_with_path(axes, params)
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: dict | None = None):
+    """`jax.set_mesh(mesh)`, with `rules` (default RULES) for the kernels' `shard_map` specs.
+
+    The rules are read while tracing: a function jitted under other rules keeps those
+    (jit caches by mesh and input shardings, not by rules). `generate` takes them from
+    the weights' placement, which is part of its cache key.
+    """
+    token = _CONTEXT_RULES.set(dict(RULES if rules is None else rules))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _CONTEXT_RULES.reset(token)
 
 
 def context_mesh():
-    """The ("data", "model") mesh of the current `jax.set_mesh` context, or None.
+    """The mesh of the current `jax.set_mesh` / `use_mesh` context, or None.
 
-    None without a context, for a mesh of one device, or for a mesh with other axis
-    names (then kernels run unsharded and GSPMD moves their operands).
+    None without a context or for a mesh of one device (then kernels run unsharded).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or tuple(mesh.axis_names) != MESH_AXES or mesh.size == 1:
+    if mesh.empty or mesh.size == 1:
         return None
     return mesh
+
+
+def context_rules() -> dict:
+    """The rules of the current `use_mesh` context (RULES under a bare `jax.set_mesh`)."""
+    rules = _CONTEXT_RULES.get()
+    return RULES if rules is None else rules
+
+
+def kernel_spec(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
+    """PartitionSpec of a kernel operand under the current mesh and rules; None without a mesh."""
+    mesh = context_mesh()
+    if mesh is None:
+        return None
+    return spec_for(axes, shape, mesh, context_rules())
+
+
+def placed_rules(params) -> dict:
+    """The logical -> mesh axis rules the weights of `params` were placed with.
+
+    Read back from each weight's sharding: a logical axis some weight splits maps to
+    that mesh axis, one every weight keeps whole to None; names no weight carries
+    ("batch") keep RULES.
+
+    Raises:
+      ValueError: two weights split one logical axis over different mesh axes.
+    """
+    rules = dict(RULES)
+    seen: dict[str, str | None] = {}
+    for leaf, ax in zip(jax.tree.leaves(params), jax.tree.leaves(logical_axes(params), is_leaf=_is_axes), strict=True):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        if spec is None:
+            continue
+        spec = tuple(spec) + (None,) * (len(ax) - len(spec))
+        for name, mesh_axis in zip(ax, spec, strict=True):
+            if name is None:
+                continue
+            if mesh_axis is not None and seen.get(name) not in (None, mesh_axis):
+                raise ValueError(f"logical axis {name!r} is split over both {seen[name]!r} and {mesh_axis!r}")
+            if mesh_axis is not None or name not in seen:
+                seen[name] = mesh_axis
+    rules.update(seen)
+    return rules
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
@@ -149,7 +162,7 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, r
     out = []
     for name, dim in zip(axes, shape, strict=True):
         mesh_axis = rules.get(name) if name is not None else None
-        if mesh_axis is not None and (dim % mesh.shape[mesh_axis] or mesh_axis in out):
+        if mesh_axis is not None and (mesh_axis not in mesh.shape or dim % mesh.shape[mesh_axis] or mesh_axis in out):
             mesh_axis = None
         out.append(mesh_axis)
     return PartitionSpec(*out)
@@ -161,15 +174,15 @@ def shardings(params, logical_axes, mesh: Mesh, rules=None):
         lambda a, axes: NamedSharding(mesh, spec_for(axes, a.shape, mesh, rules)),
         params,
         logical_axes,
-        is_leaf=lambda x: isinstance(x, tuple),
+        is_leaf=_is_axes,
     )
 
 
 def shard_target(params, mesh: Mesh, rules=None):
     """Places target weights on `mesh` (tensor / expert parallel over "model")."""
-    return jax.device_put(params, shardings(params, target_logical_axes(params), mesh, rules))
+    return jax.device_put(params, shardings(params, logical_axes(params), mesh, rules))
 
 
 def shard_drafter(params, mesh: Mesh, rules=None):
     """Places DFlash drafter weights on `mesh`."""
-    return jax.device_put(params, shardings(params, drafter_logical_axes(params), mesh, rules))
+    return jax.device_put(params, shardings(params, logical_axes(params), mesh, rules))

@@ -10,8 +10,8 @@ import dataclasses
 import os
 
 from ddtree_jax import checkpoint
-from ddtree_jax import drafter as dflash
 from ddtree_jax.data import Tokenizer
+from ddtree_jax.drafters import dflash
 from ddtree_jax.model import TargetParams
 
 DEFAULT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")

@@ -19,8 +19,8 @@ import numpy as np
 import optax
 from flax import serialization, struct
 
-from ddtree_jax import drafter as dflash
 from ddtree_jax.cache import KVCache
+from ddtree_jax.drafters import dflash
 from ddtree_jax.model import ForwardOutput, TargetParams, cast_params, causal_mask, forward, logits
 
 

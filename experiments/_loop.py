@@ -20,6 +20,25 @@ from tqdm import tqdm
 from ddtree_jax import train
 
 
+def add_training_args(ap, *, steps: int, batch: int, lr: float, eval_every: int) -> None:
+    """The flags both training scripts take, with each script's defaults."""
+    ap.add_argument("--data", default="data")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=eval_every)
+    ap.add_argument("--max-minutes", type=float, default=1e9)
+    ap.add_argument(
+        "--fit-minutes",
+        type=float,
+        default=None,
+        help="time a few probe steps, then set --steps so that training takes about this long",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def run(
     state: train.TrainState,
     step_fn: Callable,

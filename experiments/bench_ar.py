@@ -14,30 +14,22 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import checkpoint, config, model
+from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
 
 
 def time_jax(params, prompts, max_new, repeats):
-    generate(params, prompts, max_new_tokens=max_new, stop_token_ids=()).tokens.block_until_ready()  # compile
-    times, result = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = generate(params, prompts, max_new_tokens=max_new, stop_token_ids=())
-        result.tokens.block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), np.asarray(result.tokens)
+    seconds, result = time_call(lambda: generate(params, prompts, max_new_tokens=max_new, stop_token_ids=()), repeats)
+    return seconds, np.asarray(result.tokens)
 
 
 def time_hf(hf_model, prompts, max_new, repeats):

@@ -8,7 +8,7 @@ Greedy decoding is deterministic, so a DFlash chain round can be replayed offlin
 the AR continuation of each prompt is the text every method produces; one target
 pass over prompt + continuation gives the drafter's context features and the
 target's next-token distribution at every position; the drafter's training forward
-(`drafter.train_logits`) drafts a block at every anchor. Walking anchor to anchor
+(`dflash.train_logits`) drafts a block at every anchor. Walking anchor to anchor
 (each round accepts the drafts that match, plus the target's bonus token) replays
 the rounds, and the replayed tau is checked against `generate`'s own.
 
@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import _prompts
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax import checkpoint, data, drafter, train
+from ddtree_jax import checkpoint, data, evaluation, train
+from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.model import logits
 
@@ -119,13 +116,13 @@ def main():
 
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.float32)
-    params = drafter.load_drafter(args.drafter, dtype=jnp.float32)
+    params = dflash.load_drafter(args.drafter, dtype=jnp.float32)
     if args.prompts == "humaneval":
         prompts = data.eval_humaneval_prompts(tok, args.data)[: args.num_prompts]
     elif args.prompts == "test":
         prompts = data.eval_test_prompts(tok, args.data)[: args.num_prompts]
     else:
-        prompts = _prompts.validation_windows(args.data, args.num_prompts or 32, args.prompt_len)
+        prompts = evaluation.validation_windows(args.data, args.num_prompts or 32, args.prompt_len)
     m, bs = args.max_new_tokens, params.config.block_size
 
     measured = generate(target, params, prompts, method="dflash", max_new_tokens=m, stop_token_ids=())
@@ -139,7 +136,7 @@ def main():
     @jax.jit
     def teacher_forced(tokens, anchors):  # [1, T], [1, A]
         feats, hidden = train.target_outputs(target, tokens, params.config.target_layer_ids)
-        drafted = jnp.argmax(drafter.train_logits(params, target.embed, target.unembed, feats, tokens, anchors), -1)
+        drafted = jnp.argmax(dflash.train_logits(params, target.embed, target.unembed, feats, tokens, anchors), -1)
         lg = logits(target, hidden, numerics="fast").astype(jnp.float32)  # [1, T, V]; row t predicts token t + 1
         top2, idx2 = jax.lax.top_k(lg, 2)
         p1 = jnp.max(jax.nn.softmax(lg, -1), -1)

@@ -14,31 +14,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import statistics
-import sys
-import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checkpoint, config, drafter, model, sharding
+from ddtree_jax import checkpoint, config, model, sharding
+from ddtree_jax.drafters import dflash
+from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
 
 
 def timed(target, draft, prompts, max_new_tokens, repeats, **kw):
     """Median wall time of `generate` after one compile run, and its last result."""
-    times, out = [], None
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        out = generate(target, draft, prompts, max_new_tokens=max_new_tokens, **kw)
-        out.tokens.block_until_ready()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return time_call(lambda: generate(target, draft, prompts, max_new_tokens=max_new_tokens, **kw), repeats)
 
 
 def main():
@@ -69,12 +58,10 @@ def main():
         cfg = dataclasses.replace(config.PRESETS[args.preset], eos_token_id=None)
         target = model.cast_params(model.init_params(cfg, jax.random.PRNGKey(0), std=0.02), dtype)
     if args.drafter:
-        draft = drafter.load_drafter(args.drafter, dtype=dtype)
+        draft = dflash.load_drafter(args.drafter, dtype=dtype)
     else:
-        dcfg = drafter.drafter_config_for(
-            target.config, num_hidden_layers=args.draft_layers, block_size=args.block_size
-        )
-        draft = jax.tree.map(lambda a: a.astype(dtype), drafter.init_params(dcfg, jax.random.PRNGKey(1)))
+        dcfg = dflash.drafter_config_for(target.config, num_hidden_layers=args.draft_layers, block_size=args.block_size)
+        draft = jax.tree.map(lambda a: a.astype(dtype), dflash.init_params(dcfg, jax.random.PRNGKey(1)))
     if args.mesh:
         mesh = sharding.make_mesh(*args.mesh)
         target, draft = sharding.shard_target(target, mesh), sharding.shard_drafter(draft, mesh)

@@ -9,17 +9,14 @@ drafter (decode-loop dominated). Each line is one fresh compilation in this proc
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import numpy as np
 
-from ddtree_jax import drafter, model
+from ddtree_jax import model
 from ddtree_jax.config import TINY
+from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
 
@@ -37,7 +34,7 @@ def main():
     t = timed(lambda: generate(s.target, prompts, max_new_tokens=8, stop_token_ids=()))
     print(f"shipped target, ar, batch 32 x 256-token prompts: compile+run {t:.1f} s")
     target = model.init_params(TINY, jax.random.PRNGKey(0))
-    d = drafter.init_params(drafter.drafter_config_for(TINY, num_hidden_layers=2, block_size=16), jax.random.PRNGKey(1))
+    d = dflash.init_params(dflash.drafter_config_for(TINY, num_hidden_layers=2, block_size=16), jax.random.PRNGKey(1))
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", 64)):
         t = timed(
             lambda m=method, b=budget: generate(target, d, [[1, 2, 3]], method=m, tree_budget=b, max_new_tokens=8)

@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import _prompts
 import jax.numpy as jnp
 
-from ddtree_jax import checkpoint, data, drafter
+from ddtree_jax import checkpoint, data, evaluation
+from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
 
 def load(spec: str, dtype):
     """DIR or DIR@W -> DrafterParams (W: every layer slides with window W)."""
     path, _, window = spec.partition("@")
-    params = drafter.load_drafter(path, dtype=dtype)
+    params = dflash.load_drafter(path, dtype=dtype)
     if window:
         params = params.replace(config=params.config.with_sliding_window(int(window)))
     return params
@@ -56,7 +52,7 @@ def main():
     if args.prompts == "humaneval":
         sets = {None: data.eval_humaneval_prompts(tok, args.data)}
     else:
-        sets = {n: _prompts.validation_windows(args.data, args.num_prompts, n) for n in args.prompt_lens}
+        sets = {n: evaluation.validation_windows(args.data, args.num_prompts, n) for n in args.prompt_lens}
     runs = [("dflash", None)] + [("ddtree", b) for b in args.budgets]
     rows = []
     for spec in args.drafters:

@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import textwrap
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import jax.numpy as jnp

@@ -24,8 +24,6 @@ import re
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 SLICE_NAMES = ("wrapped_slice", "slice_bitcast_fusion")
 
 

@@ -20,11 +20,8 @@ import argparse
 import json
 import os
 import platform
-import sys
 import sysconfig
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np
 from tqdm import tqdm

@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import config, decode, drafter, model
+from ddtree_jax import config, decode, model
 from ddtree_jax.cache import KVCache
-from ddtree_jax.drafters import DFlashDrafter
+from ddtree_jax.drafters import DFlashDrafter, dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.sampling import SamplingConfig
 
@@ -112,8 +108,8 @@ def main():
     dtype = jnp.dtype(args.dtype)
     if args.random:
         target = model.cast_params(model.init_params(config.SMALL, jax.random.PRNGKey(0)), dtype)
-        dparams = drafter.init_params(
-            drafter.drafter_config_for(config.SMALL, num_hidden_layers=2), jax.random.PRNGKey(1)
+        dparams = dflash.init_params(
+            dflash.drafter_config_for(config.SMALL, num_hidden_layers=2), jax.random.PRNGKey(1)
         )
         dparams = jax.tree.map(lambda a: a.astype(dtype), dparams)
     else:

@@ -24,15 +24,12 @@ import csv
 import json
 import os
 import sys
-import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax.__main__ import _eval_prompts
+from ddtree_jax.evaluation import Totals, bucket, prompt_set, time_call
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
 from ddtree_jax.tree import MAX_BUDGET
@@ -55,37 +52,6 @@ HIST_BUDGETS = (16, 64)  # accept_hist.png: DFlash chain vs DDTree at these budg
 HIST_BLOCK = 16  # ... at this block size, T=0 (nearest available config otherwise)
 
 
-def buckets(prompts: list[list[int]], one_call: bool = False) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Prompts grouped by padded width (multiples of BUCKET): [(ids [n, width] int32, lengths [n])].
-
-    one_call: a single group padded to the widest bucket (one compile per run instead of one per bucket).
-    """
-    groups: dict[int, list[list[int]]] = {}
-    widest = max(-(-len(ids) // BUCKET) * BUCKET for ids in prompts)
-    for ids in prompts:
-        groups.setdefault(widest if one_call else -(-len(ids) // BUCKET) * BUCKET, []).append(ids)
-    out = []
-    for width in sorted(groups):
-        rows = groups[width]
-        padded = np.zeros((len(rows), width), np.int32)
-        for i, ids in enumerate(rows):
-            padded[i, : len(ids)] = ids
-        out.append((padded, np.array([len(r) for r in rows], np.int32)))
-    return out
-
-
-def accept_histogram(accept_lengths: np.ndarray, rounds: np.ndarray, block_size: int) -> tuple[np.ndarray, int]:
-    """Counts of acceptance lengths 1..block_size over the active rounds, and how many fell outside.
-
-    accept_lengths is [M, B]; only its first rounds[b] rows of column b are real rounds.
-    """
-    active = np.arange(accept_lengths.shape[0])[:, None] < rounds[None, :]
-    values = accept_lengths[active]
-    counts = np.bincount(values, minlength=block_size + 1)
-    inside = counts[1 : block_size + 1]
-    return inside, int(values.size - inside.sum())
-
-
 def run_one(shipped, groups, args, temperature, method, block_size, budget) -> dict:
     """One sweep point: every bucket warmed up, then timed; totals, tau and the histogram."""
     kw = dict(
@@ -100,22 +66,13 @@ def run_one(shipped, groups, args, temperature, method, block_size, budget) -> d
     )
     drafter = None if method == "ar" else shipped.drafter
     hist_len = 1 if method == "ar" else block_size
-    hist = np.zeros(hist_len, np.int64)
-    outside = tokens = rounds = accepted = 0
-    seconds = 0.0
+    totals = Totals()
     for ids, lengths in groups:
-        generate(shipped.target, drafter, ids, prompt_lengths=lengths, **kw).tokens.block_until_ready()
-        t0 = time.perf_counter()
-        res = generate(shipped.target, drafter, ids, prompt_lengths=lengths, **kw)
-        res.tokens.block_until_ready()
-        seconds += time.perf_counter() - t0
-        acc, rnd, lens = (np.asarray(a) for a in jax.device_get((res.accept_lengths, res.rounds, res.lengths)))
-        tokens += int(lens.sum())
-        rounds += int(rnd.sum())
-        accepted += int(acc.sum())
-        h, o = accept_histogram(acc, rnd, hist_len)
-        hist += h
-        outside += o
+        seconds, res = time_call(
+            lambda ids=ids, n=lengths: generate(shipped.target, drafter, ids, prompt_lengths=n, **kw)
+        )
+        totals.add(res, seconds, hist_len)
+    hist, outside = totals.histogram, totals.outside
     if outside:
         tqdm.write(f"warning: {method} block {block_size} budget {budget}: {outside} rounds accepted 0 or > block")
     return {
@@ -123,12 +80,7 @@ def run_one(shipped, groups, args, temperature, method, block_size, budget) -> d
         "method": method,
         "block_size": block_size,
         "budget": budget,
-        "prompts": int(sum(len(lengths) for _, lengths in groups)),
-        "tau": accepted / max(rounds, 1),
-        "tokens_per_s": tokens / seconds,
-        "rounds": rounds,
-        "tokens": tokens,
-        "seconds": seconds,
+        **totals.row(),
         "device": args.device,
         "accept_hist": hist.tolist(),  # index i: rounds that accepted i + 1 tokens
         "accept_outside": outside,
@@ -364,10 +316,10 @@ def main(argv=None) -> None:
     bad = [b for b in args.block_sizes if not 2 <= b <= own]
     if bad:
         ap.error(f"block sizes must lie in [2, the drafter's block_size={own}], got {bad}")
-    prompts = _eval_prompts(args.prompts, args, shipped.tokenizer)
+    prompts = prompt_set(args.prompts, shipped.tokenizer, args.data, args.limit)
     if not prompts:
         sys.exit("error: no prompts")
-    groups = buckets(prompts, args.one_call)
+    groups = bucket(prompts, BUCKET, args.one_call)
     args.device = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
     print(
         f"device {args.device}; dtype {args.dtype}; {len(prompts)} {args.prompts} prompts in buckets "

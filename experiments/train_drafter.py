@@ -25,17 +25,16 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import _loop
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax import checkpoint, drafter, train
+from ddtree_jax import checkpoint, train
 from ddtree_jax.config import ConfigError
 from ddtree_jax.data import Tokenizer, prompt_windows
+from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
 
@@ -73,15 +72,12 @@ def plot(history, evals, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="data")
+    _loop.add_training_args(ap, steps=3000, batch=32, lr=2e-3, eval_every=500)
     ap.add_argument("--target", required=True, help="HF target directory")
-    ap.add_argument("--out", required=True)
     ap.add_argument("--prompts", type=int, default=4096)
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[64], help="one or more prompt lengths")
     ap.add_argument("--gen-len", type=int, default=192)
     ap.add_argument("--gen-batch", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=2)
@@ -101,20 +97,9 @@ def main():
         default=0.0,
         help="weight of KL(target || drafter) against the hard-label cross-entropy (0 = DFlash's hard labels)",
     )
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--eval-prompt-len", type=int, default=64, help="validation prompt length for the tau evals")
     ap.add_argument("--eval-budget", type=int, default=32)
-    ap.add_argument("--max-minutes", type=float, default=1e9)
-    ap.add_argument(
-        "--fit-minutes",
-        type=float,
-        default=None,
-        help="time a few probe steps, then set --steps so that training takes about this long",
-    )
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--init", default=None, help="start from this HF drafter (its config wins over --layers/--taps/...)"
     )
@@ -130,7 +115,7 @@ def main():
     target = checkpoint.load_target(args.target, dtype=jnp.bfloat16)
     if target.config.vocab_size != tok.vocab_size:
         sys.exit(f"error: target vocab {target.config.vocab_size} != tokenizer vocab {tok.vocab_size}")
-    dcfg = drafter.drafter_config_for(
+    dcfg = dflash.drafter_config_for(
         target.config,
         num_hidden_layers=args.layers,
         block_size=args.block_size,
@@ -178,12 +163,12 @@ def main():
     eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.eval_prompt_len, seed=1)
 
     if args.init:
-        params = drafter.load_drafter(args.init, dtype=jnp.float32)
+        params = dflash.load_drafter(args.init, dtype=jnp.float32)
         dcfg = with_window(params.config)
         params = params.replace(config=dcfg)
         print(f"initialised from {args.init}")
     else:
-        params = drafter.init_params(dcfg, jax.random.PRNGKey(args.seed))
+        params = dflash.init_params(dcfg, jax.random.PRNGKey(args.seed))
     n, t = seqs.shape
     hi = t - args.block_size
 
@@ -222,7 +207,7 @@ def main():
     )
 
     def export(params, path):
-        drafter.save_drafter_hf(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), path)
+        dflash.save_drafter_hf(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), path)
 
     best = {"tau_dflash": -1.0}
 

@@ -15,10 +15,7 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import _loop
 import jax
@@ -55,25 +52,11 @@ def plot(history: list[dict], evals: list[dict], path: str, title: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="data")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--batch", type=int, default=64)
+    _loop.add_training_args(ap, steps=2000, batch=64, lr=3e-3, eval_every=250)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--max-minutes", type=float, default=1e9)
-    ap.add_argument(
-        "--fit-minutes",
-        type=float,
-        default=None,
-        help="time a few probe steps, then set --steps so that training takes about this long",
-    )
-    ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--compute-dtype", default="bfloat16")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     t_start = time.time()

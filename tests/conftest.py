@@ -58,13 +58,11 @@ def same(a, b) -> bool:
 
 def rewrite(path, edit) -> None:
     """Loads path/model.safetensors as a dict, lets `edit` change it, writes it back."""
-    from ddtree_jax.safetensors_io import SafetensorsFile, save_file
+    import safetensors.numpy
 
-    st = SafetensorsFile(path / "model.safetensors")
-    tensors = {k: np.array(st.get(k)) for k in st.table}
-    del st
+    tensors = {k: np.array(v) for k, v in safetensors.numpy.load_file(path / "model.safetensors").items()}
     edit(tensors)
-    save_file(tensors, path / "model.safetensors")
+    safetensors.numpy.save_file(tensors, path / "model.safetensors", {"format": "pt"})
 
 
 def hf_python() -> str | None:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from ddtree_jax import checkpoint
+from ddtree_jax import checkpoint, model
 from ddtree_jax.config import ConfigError
-from ddtree_jax.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from ddtree_jax.hf import CheckpointError
 from tests.conftest import random_target, rewrite, same, tiny
 
 
@@ -39,16 +39,15 @@ def test_bf16_load_and_cast(params, tmp_path):
     assert loaded.moe_layers.mlp.router.dtype == np.float32
 
 
-def test_our_safetensors_match_the_reference_package(tmp_path):
-    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([1, -2], np.int32)}
-    save_file(arrays, tmp_path / "x.safetensors")
-    back = safetensors.numpy.load_file(str(tmp_path / "x.safetensors"))
-    for k, v in arrays.items():
-        np.testing.assert_array_equal(back[k], v)
-    safetensors.numpy.save_file(arrays, str(tmp_path / "y.safetensors"))
-    st = SafetensorsFile(tmp_path / "y.safetensors")
-    for k, v in arrays.items():
-        np.testing.assert_array_equal(st.get(k), v)
+def test_bf16_checkpoints_are_plain_safetensors(params, tmp_path):
+    """What save_hf writes in bf16 is what the safetensors package reads, dtype included."""
+    bf = model.cast_params(params, "bfloat16")
+    checkpoint.save_hf(bf, tmp_path)
+    stored = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert stored["model.embed_tokens.weight"].dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(stored["model.embed_tokens.weight"], np.asarray(bf.embed))
+    assert stored["model.layers.1.mlp.gate.weight"].dtype == np.float32  # the router stays float32
+    assert same(checkpoint.load_target(tmp_path), bf)
 
 
 def test_missing_weight_is_named(params, tmp_path):
@@ -145,14 +144,15 @@ def test_unsupported_dtypes_are_refused(params, tmp_path, dtype):
     checkpoint.save_hf(params, tmp_path)
     with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported; choose one of"):
         checkpoint.load_target(tmp_path, dtype=dtype)
-    from ddtree_jax import drafter, model
+    from ddtree_jax import model
+    from ddtree_jax.drafters import dflash
 
     with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
         model.init_params(params.config, jax.random.PRNGKey(0), dtype=dtype)
     with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
         model.cast_params(params, dtype)
     with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
-        drafter.load_drafter(tmp_path, dtype=dtype)
+        dflash.load_drafter(tmp_path, dtype=dtype)
     with pytest.raises(ValueError, match=rf"dtype='{dtype}' is not supported"):
         checkpoint.restore_checkpoint(tmp_path, dtype=dtype)
 

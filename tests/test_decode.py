@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import decode, drafter, tree
+from ddtree_jax import decode, tree
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import ConfigError
-from ddtree_jax.drafters import OracleDrafter, RandomDrafter
+from ddtree_jax.drafters import OracleDrafter, RandomDrafter, dflash
 from ddtree_jax.generate import generate
 from tests.conftest import random_target, tiny
 
@@ -89,8 +89,8 @@ def target():
 
 
 def dflash_drafter(block_size, seed=0):
-    cfg = drafter.drafter_config_for(TARGET_CFG, num_hidden_layers=1, block_size=block_size)
-    return drafter.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
+    cfg = dflash.drafter_config_for(TARGET_CFG, num_hidden_layers=1, block_size=block_size)
+    return dflash.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
 
 
 def prompts_for(batch, seed):
@@ -127,6 +127,40 @@ def test_partially_right_drafter_advances_rows_unevenly_and_stays_exact(target, 
     if bs > 2:
         assert len(set(first_round.tolist())) > 1 or len(set(acc[1].tolist())) > 1, acc[:3]
         assert res.tau > chain.tau  # the tree recovers what the noisy top-1 chain misses
+
+
+def test_step_is_the_whole_round_and_leaves_inactive_rows_alone(target):
+    """decode.step with a DFlash drafter: both caches of an active row advance by what it
+    accepted; the inactive row's cache, drafter context and length are untouched."""
+    from ddtree_jax import model
+    from ddtree_jax.cache import KVCache
+    from ddtree_jax.sampling import SamplingConfig
+
+    bs = 4
+    d = dflash.DFlashDrafter(params=dflash_drafter(bs), block_size=bs)
+    prompts = jnp.asarray([[5, 17, 33, 2], [250, 1, 9, 9], [7, 7, 7, 7]], jnp.int32)
+    lengths = jnp.asarray([4, 2, 3], jnp.int32)
+    cache = KVCache.init(target.config, 3, 64)
+    out, cache = model.append(target, cache, prompts, lengths, tap_layers=d.tap_layers)
+    idx = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (3, 4))
+    state = d.observe(d.init_state(target, 3, 64), out.taps, idx, idx < lengths[:, None])
+    roots = jnp.argmax(model.logits(target, out.hidden[jnp.arange(3), lengths - 1]), -1).astype(jnp.int32)
+    active = jnp.asarray([True, False, True])
+    key = jax.random.PRNGKey(0)
+    kw = dict(method="ddtree", budget=8, sampling=SamplingConfig())
+    new_cache, new_state, r = decode.step(target, d, cache, state, roots, active, key, key, **kw)
+    assert r.tokens.shape == (3, bs) and r.first_nonfinite.tolist() == [bs] * 3
+    assert not bool(jnp.any(r.draft_nonfinite))
+    adv = np.asarray(new_cache.lengths - cache.lengths)
+    assert adv[1] == 0 and adv[0] == int(r.length[0]) and adv[2] == int(r.length[2])
+    np.testing.assert_array_equal(new_state.lengths - state.lengths, adv)
+    np.testing.assert_array_equal(new_cache.c_kv[:, 1], cache.c_kv[:, 1])
+    np.testing.assert_array_equal(new_state.k[:, 1], state.k[:, 1])
+    # Its tokens are the target's greedy continuation, bonus included.
+    ar = generate(target, [[5, 17, 33, 2], [250, 1], [7, 7, 7]], max_new_tokens=1 + bs, stop_token_ids=())
+    for row in (0, 2):
+        a = int(r.length[row])
+        assert [int(roots[row]), *np.asarray(r.tokens[row, :a]).tolist()] == ar.to_lists()[row][: a + 1]
 
 
 def test_oracle_accepts_full_blocks(target):
@@ -300,11 +334,11 @@ def test_bad_inputs(target):
     with pytest.raises(ValueError, match="needs a drafter"):
         generate(target, p, method="ddtree")
     other = dataclasses.replace(TARGET_CFG, vocab_size=300)
-    bad_vocab = drafter.init_params(drafter.drafter_config_for(other, block_size=4), jax.random.PRNGKey(0))
+    bad_vocab = dflash.init_params(dflash.drafter_config_for(other, block_size=4), jax.random.PRNGKey(0))
     with pytest.raises(ConfigError, match="vocab"):
         generate(target, bad_vocab, p, method="dflash")
     other = dataclasses.replace(TARGET_CFG, hidden_size=32)
-    bad_hidden = drafter.init_params(drafter.drafter_config_for(other, block_size=4), jax.random.PRNGKey(0))
+    bad_hidden = dflash.init_params(dflash.drafter_config_for(other, block_size=4), jax.random.PRNGKey(0))
     with pytest.raises(ConfigError, match="hidden"):
         generate(target, bad_hidden, p, method="ddtree")
     with pytest.raises(TypeError, match="drafter"):

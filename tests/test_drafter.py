@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from ddtree_jax import drafter
 from ddtree_jax.config import ConfigError
-from ddtree_jax.drafter import DrafterCache, DrafterConfig
-from ddtree_jax.safetensors_io import CheckpointError
+from ddtree_jax.drafters import dflash
+from ddtree_jax.drafters.dflash import DrafterCache, DrafterConfig
+from ddtree_jax.hf import CheckpointError
 from tests.conftest import rewrite, same, tiny
 
 CFG = DrafterConfig(
@@ -37,7 +37,7 @@ C = 12  # context width of the extend call (>= max LENGTHS)
 
 def random_params(cfg=CFG, seed=0):
     """Large enough weights for peaked attention; norms random so that each of them matters."""
-    params = drafter.init_params(cfg, jax.random.PRNGKey(seed), std=0.15)
+    params = dflash.init_params(cfg, jax.random.PRNGKey(seed), std=0.15)
     keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 8))
 
     def norm(a):
@@ -71,8 +71,8 @@ def inputs():
     return dict(embed=embed, unembed=unembed, features=features, block=block, block_pos=block_pos)
 
 
-extend = jax.jit(drafter.extend_context)
-run_draft = jax.jit(drafter.draft)
+extend = jax.jit(dflash.extend_context)
+run_draft = jax.jit(dflash.draft)
 
 
 def context_cache(params, features, lengths=LENGTHS, cache=None):
@@ -149,7 +149,7 @@ SLIDING = dataclasses.replace(CFG, layer_types=("full_attention", "sliding_atten
 @pytest.mark.parametrize("cfg", [CFG, SLIDING], ids=["full", "sliding"])
 def test_draft_matches_float64_reference(cfg, inputs, tmp_path):
     params = random_params(cfg)
-    drafter.save_drafter_hf(params, tmp_path)
+    dflash.save_drafter_hf(params, tmp_path)
     hf = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     got = draft_logits(params, context_cache(params, inputs["features"]), inputs)
     assert got.shape == (len(LENGTHS), CFG.block_size - 1, CFG.vocab_size)
@@ -254,7 +254,7 @@ def test_rows_are_independent(params, inputs):
 
 def test_tap_features_concatenates_layer_major():
     taps = np.random.default_rng(2).normal(size=(3, 2, 4, 5)).astype(np.float32)
-    np.testing.assert_array_equal(drafter.tap_features(taps), np.concatenate(list(taps), axis=-1))
+    np.testing.assert_array_equal(dflash.tap_features(taps), np.concatenate(list(taps), axis=-1))
 
 
 # ----------------------------------------------------------------------------------
@@ -262,47 +262,47 @@ def test_tap_features_concatenates_layer_major():
 
 
 def test_hf_round_trip(params, tmp_path):
-    drafter.save_drafter_hf(params, tmp_path)
+    dflash.save_drafter_hf(params, tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["architectures"] == ["DFlashDraftModel"] and hf["model_type"] == "qwen3"
-    loaded = drafter.load_drafter(tmp_path)
+    loaded = dflash.load_drafter(tmp_path)
     assert loaded.config == CFG
     assert same(loaded, params)
-    assert drafter.load_drafter(tmp_path, dtype="bfloat16").fc.dtype == jnp.bfloat16
+    assert dflash.load_drafter(tmp_path, dtype="bfloat16").fc.dtype == jnp.bfloat16
 
 
 def test_model_prefix_is_accepted(params, tmp_path):
-    drafter.save_drafter_hf(params, tmp_path)
+    dflash.save_drafter_hf(params, tmp_path)
     rewrite(tmp_path, lambda t: t.update({f"model.{k}": t.pop(k) for k in list(t)}))
-    assert same(drafter.load_drafter(tmp_path), params)
+    assert same(dflash.load_drafter(tmp_path), params)
 
 
 def test_missing_weight_is_named(params, tmp_path):
-    drafter.save_drafter_hf(params, tmp_path)
+    dflash.save_drafter_hf(params, tmp_path)
     rewrite(tmp_path, lambda t: t.pop("layers.1.self_attn.k_norm.weight"))
     with pytest.raises(CheckpointError, match=r"missing weight 'layers\.1\.self_attn\.k_norm\.weight'"):
-        drafter.load_drafter(tmp_path)
+        dflash.load_drafter(tmp_path)
 
 
 def test_misshaped_weight_is_named(params, tmp_path):
-    drafter.save_drafter_hf(params, tmp_path)
+    dflash.save_drafter_hf(params, tmp_path)
     rewrite(tmp_path, lambda t: t.update({"fc.weight": np.zeros((64, 64), np.float32)}))
     with pytest.raises(CheckpointError, match=r"'fc\.weight'.*shape \(64, 64\), expected \(64, 128\)"):
-        drafter.load_drafter(tmp_path)
+        dflash.load_drafter(tmp_path)
 
 
 def test_extra_weight_is_named(params, tmp_path):
-    drafter.save_drafter_hf(params, tmp_path)
+    dflash.save_drafter_hf(params, tmp_path)
     rewrite(tmp_path, lambda t: t.update({"embed_tokens.weight": np.zeros((2, 2), np.float32)}))
     with pytest.raises(CheckpointError, match=r"unexpected weight.*'embed_tokens\.weight'"):
-        drafter.load_drafter(tmp_path)
+        dflash.load_drafter(tmp_path)
 
 
 def test_missing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        drafter.load_drafter(tmp_path / "nope")
+        dflash.load_drafter(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        drafter.load_drafter(tmp_path)
+        dflash.load_drafter(tmp_path)
 
 
 # ----------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def test_config_validation(change, match):
 
 def test_check_compatible():
     target = tiny()
-    cfg = drafter.drafter_config_for(target, num_hidden_layers=2)
+    cfg = dflash.drafter_config_for(target, num_hidden_layers=2)
     cfg.check_compatible(target)
     assert cfg.hidden_size == 64 and cfg.vocab_size == 256 and cfg.mask_token_id == 255
     assert all(0 <= layer < 3 for layer in cfg.target_layer_ids)
@@ -452,7 +452,7 @@ def test_check_compatible():
 
 def test_drafter_config_for_defaults():
     target = tiny()
-    cfg = drafter.drafter_config_for(target)
+    cfg = dflash.drafter_config_for(target)
     assert (cfg.num_hidden_layers, cfg.block_size, cfg.num_target_layers) == (1, 16, 3)
     assert cfg.target_layer_ids == (1,)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 1, 16)
@@ -469,7 +469,7 @@ def test_train_logits_equal_inference_drafts_per_anchor(cfg):
     embed = rng.normal(size=(v, h)).astype(np.float32)
     unembed = (0.15 * rng.normal(size=(h, v))).astype(np.float32)
     anchors = np.array([[0, 7, 14], [3, 3, 10]], np.int32)  # overlapping blocks and a repeated anchor
-    got = np.asarray(jax.jit(drafter.train_logits)(params, embed, unembed, features, tokens, anchors))
+    got = np.asarray(jax.jit(dflash.train_logits)(params, embed, unembed, features, tokens, anchors))
     assert got.shape == (b, 3, CFG.block_size - 1, v)
     for row in range(b):
         for j, p in enumerate(anchors[row]):

@@ -12,8 +12,8 @@ import sysconfig
 import numpy as np
 import pytest
 
-from ddtree_jax import drafter
 from ddtree_jax.data import Tokenizer
+from ddtree_jax.drafters import dflash
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,7 @@ def test_train_drafter_resumes_shipped_drafter_with_a_sliding_window(data_dir, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Two prompt lengths, two rows each, every row 64 + 40 long (the short prompts continue further).
     assert np.load(out / "distill_prompt_lens.npy").tolist() == [48, 48, 64, 64]
-    trained = drafter.load_drafter(out / "drafter")
+    trained = dflash.load_drafter(out / "drafter")
     assert trained.config.types == ("sliding_attention",) * trained.config.num_hidden_layers
     assert trained.config.sliding_window == 64
     with open(out / "drafter_metrics.json") as f:

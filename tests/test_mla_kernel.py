@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.pallas.mla_attention import mla_attention
-from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
+from ddtree_jax.pallas.mla_attention.kernel import MLATiles, mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.tree import build_ddtree
 
@@ -40,7 +40,8 @@ def test_kernel_matches_reference(b, t, n, s, lens, block_q, block_k, splits):
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
     args = case(rng, b, t, n, 16, 8, s, lens, mask)
     want = mla_attention_reference(*args, 0.3)
-    got = mla_attention_pallas(*args, scale=0.3, block_q=block_q, block_k=block_k, num_splits=splits, interpret=True)
+    tiles = MLATiles(block_q=block_q, block_k=block_k, num_splits=splits)
+    got = mla_attention_pallas(*args, scale=0.3, tiles=tiles, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -52,7 +53,7 @@ def test_kernel_with_a_real_tree_mask_and_bf16():
     args = case(rng, 2, t, 4, 32, 16, 50, [50, 21], tree.visibility, jnp.bfloat16)
     want = mla_attention_reference(*args, 0.2)
     for block_k in (16, 4):  # the 13 tree tokens in one block, or in four
-        got = mla_attention_pallas(*args, scale=0.2, block_q=16, block_k=block_k, interpret=True)
+        got = mla_attention_pallas(*args, scale=0.2, tiles=MLATiles(block_q=16, block_k=block_k), interpret=True)
         np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
@@ -62,7 +63,7 @@ def test_kernel_rows_whose_keys_all_lie_in_later_blocks():
     t = 12
     args = case(rng, 2, t, 2, 16, 8, 20, [0, 9], jnp.eye(t, dtype=bool)[None].repeat(2, 0))
     want = mla_attention_reference(*args, 0.4)
-    got = mla_attention_pallas(*args, scale=0.4, block_q=8, block_k=4, interpret=True)
+    got = mla_attention_pallas(*args, scale=0.4, tiles=MLATiles(block_q=8, block_k=4), interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -102,7 +103,9 @@ def test_bench_smoke(capsys):
 
 
 def test_tiles_must_be_powers_of_two():
-    rng = np.random.default_rng(0)
-    args = case(rng, 1, 2, 2, 8, 4, 6, [3], jnp.ones((1, 2, 2), bool))
     with pytest.raises(ValueError, match="block_k must be a power of two, got 24"):
-        mla_attention_pallas(*args, scale=0.5, block_k=24, interpret=True)
+        MLATiles(block_k=24)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        MLATiles(num_stages=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        MLATiles(num_splits=0)

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from ddtree_jax.pallas.moe import moe_experts
-from ddtree_jax.pallas.moe.kernel import group_by_expert, moe_experts_pallas, num_row_blocks
+from ddtree_jax.pallas.moe.kernel import MoETiles, group_by_expert, moe_experts_pallas, num_row_blocks
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 
-SMALL_TILES = dict(block_m=16, block_i=16, block_h=16, block_k=16)
+SMALL_TILES = MoETiles(block_m=16, block_i=16, block_h=16, block_k=16)
 
 
 def case(seed, t, e, h, i, idx=None, k=2, dtype=jnp.float32):
@@ -29,13 +29,13 @@ def case(seed, t, e, h, i, idx=None, k=2, dtype=jnp.float32):
     ("t", "k", "e", "h", "i", "tiles"),
     [
         (1, 2, 8, 24, 20, SMALL_TILES),  # AR: T * K < block_m; H, I not multiples of 16; 6 experts idle
-        (9, 3, 8, 40, 36, dict(block_m=4, block_i=16, block_h=32, block_k=8)),  # several blocks per expert
+        (9, 3, 8, 40, 36, MoETiles(block_m=4, block_i=16, block_h=32, block_k=8)),  # several blocks per expert
         (33, 8, 16, 64, 32, {}),  # default tiles, shrunk to the small H and I
     ],
 )
 def test_kernel_matches_reference(t, k, e, h, i, tiles):
     args = case(t, t, e, h, i, k=k)
-    got = moe_experts_pallas(*args, interpret=True, **tiles)
+    got = moe_experts_pallas(*args, tiles=tiles, interpret=True)
     np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-5, rtol=1e-5)
 
 
@@ -45,13 +45,13 @@ def test_skewed_routing_with_idle_experts_and_several_tile_sizes():
     args = case(5, 7, 6, 48, 40, idx=idx)
     want = moe_experts_reference(*args)
     for bm, bi, bh, bk in [(4, 16, 16, 8), (2, 32, 64, 16), (8, 64, 32, 32)]:
-        got = moe_experts_pallas(*args, block_m=bm, block_i=bi, block_h=bh, block_k=bk, interpret=True)
+        got = moe_experts_pallas(*args, tiles=MoETiles(bm, bi, bh, bk), interpret=True)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"tiles {(bm, bi, bh, bk)}")
 
 
 def test_bf16():
     args = case(3, 12, 8, 64, 48, k=3, dtype=jnp.bfloat16)
-    got = moe_experts_pallas(*args, interpret=True, **SMALL_TILES)
+    got = moe_experts_pallas(*args, tiles=SMALL_TILES, interpret=True)
     assert got.dtype == jnp.bfloat16
     want = moe_experts_reference(*args)
     np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=3e-2, rtol=3e-2)
@@ -70,7 +70,7 @@ def test_dropped_pairs_cost_nothing_and_count_zero():
     """idx < 0 drops a pair (expert parallelism: another shard's expert): same as weight 0."""
     x, idx, w, gate, up, down = case(5, 6, 4, 16, 8, k=3)
     drop = jnp.asarray(np.random.default_rng(5).random(idx.shape) < 0.4)
-    got = moe_experts_pallas(x, jnp.where(drop, -1, idx), w, gate, up, down, block_m=4, interpret=True)
+    got = moe_experts_pallas(x, jnp.where(drop, -1, idx), w, gate, up, down, tiles=MoETiles(block_m=4), interpret=True)
     want = moe_experts_reference(x, idx, jnp.where(drop, 0.0, w), gate, up, down)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     _, block_expert = group_by_expert(jnp.asarray([[-1, 2], [-1, -1]], jnp.int32), 4, 2)
@@ -85,7 +85,7 @@ def test_row_block_bound_is_reached():
 
 def test_tiles_must_be_powers_of_two():
     with pytest.raises(ValueError, match="block_h"):
-        moe_experts_pallas(*case(0, 2, 4, 16, 16), block_h=24, interpret=True)
+        MoETiles(block_h=24)
 
 
 def test_dispatch_and_generate_with_pallas():

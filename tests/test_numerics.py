@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import decode, drafter, model, numerics, tree
+from ddtree_jax import decode, model, numerics, tree
 from ddtree_jax.cache import KVCache
-from ddtree_jax.drafters import OracleDrafter
+from ddtree_jax.drafters import OracleDrafter, dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.pallas.mla_attention import mla_attention
 from tests.conftest import random_target, tiny
@@ -218,16 +218,16 @@ def _first_difference(want, got):
 
 def test_greedy_tokens_are_bitwise_equal_across_capacity_method_and_batch(target):
     """PROMPTS[0]'s greedy tokens under every layout that must not matter (default capacity: 128)."""
-    dcfg = drafter.drafter_config_for(target.config, num_hidden_layers=1, block_size=8)
-    dflash = drafter.init_params(dcfg, jax.random.PRNGKey(7), std=0.2)
+    dcfg = dflash.drafter_config_for(target.config, num_hidden_layers=1, block_size=8)
+    dparams = dflash.init_params(dcfg, jax.random.PRNGKey(7), std=0.2)
     kw = dict(max_new_tokens=NEW, stop_token_ids=())
     oracle = OracleDrafter(block_size=6, noise=2.0)
     runs = {  # name: (row of PROMPTS[0], generate's args and kwargs)
         "ar": (0, (PROMPTS[:1],), {}),
         "ar batched, capacity +15": (2, (PROMPTS[1:] + PROMPTS[:1],), dict(cache_capacity=128 + 15)),
         "ar capacity +64": (0, (PROMPTS[:1],), dict(cache_capacity=128 + 64)),
-        "dflash": (0, (dflash, PROMPTS[:1]), dict(method="dflash")),
-        "ddtree batched": (1, (dflash, PROMPTS[1:2] + PROMPTS[:1]), dict(method="ddtree")),
+        "dflash": (0, (dparams, PROMPTS[:1]), dict(method="dflash")),
+        "ddtree batched": (1, (dparams, PROMPTS[1:2] + PROMPTS[:1]), dict(method="ddtree")),
         "ddtree oracle batched, capacity 201": (
             1,
             (oracle, [PROMPTS[2], PROMPTS[0]]),

@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from ddtree_jax import config, drafter, sharding
+from ddtree_jax import config, sharding
+from ddtree_jax.drafters import dflash
 from tests.conftest import tiny
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -19,15 +20,16 @@ SCRIPT = textwrap.dedent(
     """
     import jax, numpy as np
     from jax.sharding import PartitionSpec as P
-    from ddtree_jax import drafter, sharding
+    from ddtree_jax import sharding
+    from ddtree_jax.drafters import dflash
     from ddtree_jax.generate import generate
     from tests.conftest import random_target, tiny
 
     assert jax.device_count() == 8, jax.devices()
     cfg = tiny(num_attention_heads=8, n_routed_experts=8, n_group=2, topk_group=1)
     target = random_target(cfg, seed=3)
-    dcfg = drafter.drafter_config_for(cfg, num_hidden_layers=1, block_size=4, num_key_value_heads=8)
-    dparams = drafter.init_params(dcfg, jax.random.PRNGKey(1), std=0.3)
+    dcfg = dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=4, num_key_value_heads=8)
+    dparams = dflash.init_params(dcfg, jax.random.PRNGKey(1), std=0.3)
     prompts = [[5, 17, 33, 2, 9], [250, 1], [7, 7, 7], [1, 2, 3, 4, 5, 6, 7]]
     kw = dict(max_new_tokens=12, stop_token_ids=())
     ref_ar = generate(target, prompts, **kw).to_lists()
@@ -90,7 +92,23 @@ PALLAS_SCRIPT = textwrap.dedent(
     # generate on sharded weights with the kernels gives the single-device XLA tokens.
     prompts = [[5, 17, 33, 2, 9], [250, 1]]
     kw = dict(max_new_tokens=5, stop_token_ids=())
-    assert generate(st, prompts, implementation="pallas", **kw).to_lists() == generate(target, prompts, **kw).to_lists()
+    ref = generate(target, prompts, **kw).to_lists()
+    assert generate(st, prompts, implementation="pallas", **kw).to_lists() == ref
+
+    # Custom rules reach the kernels: experts over "data", heads kept whole.
+    from jax.sharding import PartitionSpec as P
+    rules = dict(sharding.RULES, experts="data", heads=None)
+    custom = sharding.shard_target(target, mesh, rules)
+    assert custom.moe_layers.mlp.gate.sharding.spec == P(None, "data", None, None)
+    placed = sharding.placed_rules(custom)
+    assert placed["experts"] == "data" and placed["heads"] is None, placed
+    with sharding.use_mesh(mesh, placed):
+        assert sharding.kernel_spec(("experts", None, None), gate.shape) == P("data", None, None)
+        assert sharding.kernel_spec(("batch", None, "heads", None), q[0].shape) == P("data", None, None, None)
+        fresh = jax.jit(lambda *a: moe_experts(*a, implementation="pallas"))  # jit caches by mesh, not rules
+        got = fresh(x, idx, w, gate, up, down)
+    np.testing.assert_allclose(got, moe_experts_reference(x, idx, w, gate, up, down), atol=1e-4, rtol=1e-4)
+    assert generate(custom, prompts, implementation="pallas", **kw).to_lists() == ref
     print("SHARDED PALLAS OK")
     """
 )
@@ -122,7 +140,7 @@ def test_logical_axes_cover_every_weight_of_the_full_size_models():
 
     mesh = type("FakeMesh", (), {"shape": {"data": 1, "model": 8}})()
     for cfg in (config.KIMI_K2, config.DEEPSEEK_V3, tiny(q_lora_rank=None, tie_word_embeddings=True)):
-        shapes = jax.eval_shape(lambda cfg=cfg: model.init_params(cfg, jax.random.PRNGKey(0)))
+        shapes = model.abstract_params(cfg)
         axes = sharding.target_logical_axes(shapes)
         specs = jax.tree.map(lambda a, ax: sharding.spec_for(ax, a.shape, mesh), shapes, axes)
         if cfg is config.KIMI_K2:
@@ -146,8 +164,8 @@ def test_spec_keeps_undividable_dims_replicated():
 
 
 def test_drafter_axes_fit():
-    import jax
 
-    dcfg = drafter.drafter_config_for(config.KIMI_K2, num_hidden_layers=3)
-    shapes = jax.eval_shape(lambda: drafter.init_params(dcfg, jax.random.PRNGKey(0)))
-    sharding.drafter_logical_axes(shapes)
+    dcfg = dflash.drafter_config_for(config.KIMI_K2, num_hidden_layers=3)
+    shapes = dflash.abstract_params(dcfg)
+    axes = sharding.drafter_logical_axes(shapes)
+    assert axes.layers.q == ("layers", "embed", "heads", None)

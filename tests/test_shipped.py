@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from ddtree_jax import drafter as dflash
 from ddtree_jax.__main__ import main
+from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import checkpoints_dir, load_shipped
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import drafter, train
+from ddtree_jax import train
+from ddtree_jax.drafters import dflash
 from tests.conftest import random_target, tiny
 
 
@@ -44,8 +45,8 @@ def drafter_case(target_seed, drafter_seed, data_seed, b, t, anchors):
     """A tiny target, a 1-layer block-4 drafter for it, and a repetitive batch with anchors."""
     cfg = tiny()
     target = random_target(cfg, seed=target_seed)
-    dcfg = drafter.drafter_config_for(cfg, num_hidden_layers=1, block_size=4)
-    dparams = drafter.init_params(dcfg, jax.random.PRNGKey(drafter_seed))
+    dcfg = dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=4)
+    dparams = dflash.init_params(dcfg, jax.random.PRNGKey(drafter_seed))
     rng = np.random.default_rng(data_seed)
     tokens = jnp.asarray(repetitive_batch(rng, b, t, cfg.vocab_size - 1))
     return target, dparams, tokens, jnp.asarray(train.sample_anchors(rng, b, anchors, 0, t - 4))
@@ -98,7 +99,7 @@ def test_soft_label_loss():
     assert float(train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0, teacher, 0.0)[0]) == float(hard)
     soft, aux = train.drafter_loss(dparams, target, feats, tokens, anchors, 3.0, teacher, 1.0)
     # Against a direct computation of the weighted KL(teacher || drafter).
-    lg = drafter.train_logits(dparams, target.embed, target.unembed, feats, tokens, anchors)
+    lg = dflash.train_logits(dparams, target.embed, target.unembed, feats, tokens, anchors)
     logp = np.asarray(jax.nn.log_softmax(lg, axis=-1), np.float64)
     t = np.asarray(teacher, np.float64)
     kl = (np.exp(t) * (t - logp)).sum(-1)  # [B, A, 3]

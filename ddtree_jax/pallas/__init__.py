@@ -1,7 +1,9 @@
 """Kernels, each beside its pure-jnp reference (tokamax style).
 
 `ddtree_jax/pallas/<op>/` holds `reference.py` (float32 math, also the XLA
-fallback) and `api.py` (one dispatch function with `implementation=`).
+fallback), `kernel.py` (the kernel and its frozen tile config), `api.py` (one
+dispatch function with `implementation=`) and `bench.py`; `shapes.py` names the
+real shapes that bench and tests share.
 """
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -21,5 +23,12 @@ def check_implementation(implementation: str, available: tuple[str, ...], op: st
 def check_tiles(**tiles: int) -> None:
     """Raises ValueError naming the first tile size that is not a power of two (Triton blocks must be)."""
     for name, size in tiles.items():
-        if size < 1 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two, got {size}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two, got {size!r}")
+
+
+def check_compiler(num_warps: int, num_stages: int) -> None:
+    """Raises ValueError for Triton launch parameters it cannot take."""
+    check_tiles(num_warps=num_warps)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")

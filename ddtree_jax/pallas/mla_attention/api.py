@@ -47,8 +47,8 @@ def mla_attention(
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
       implementation: "xla" (pure jnp), "exact" (pure jnp in a rounding order fixed
         by absolute positions, exact.py) or "pallas" (the Triton-style kernel in
-        kernel.py; on a CPU backend it runs in interpret mode; under a
-        `jax.set_mesh` context it runs per shard, heads over "model").
+        kernel.py; on a CPU backend it runs in interpret mode; under a mesh
+        context (`sharding.use_mesh`) it runs per shard, batch and heads split by its rules).
       positions: absolute positions of the new tokens ("exact" only: it orders the
         keys by them). Each query's visible new tokens must sit at distinct positions
         in [cache_len, cache_len + span).
@@ -76,14 +76,13 @@ def mla_attention(
         return mla_attention_exact(*args, positions, scale, t if span is None else span)
     if implementation == "pallas":
         kernel = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
-        mesh = sharding.context_mesh()
-        if mesh is None:
-            return kernel(*args)
-        # Per shard: the batch over "data", the query heads over "model" (MQA: every
-        # head reads the whole latent cache, which is replicated over "model").
+        # Per shard: the batch and the query heads as the mesh's rules split them (MQA:
+        # every head reads the whole latent cache, which no rule splits but by batch).
         axes = [("batch", None, "heads", None)] * 2 + [("batch", None, None)] * 2 + [("batch",)]
         axes += [("batch", None, None)] * 3
-        specs = tuple(sharding.spec_for(a, x.shape, mesh) for a, x in zip(axes, args, strict=True))
+        specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
+        if specs[0] is None:
+            return kernel(*args)
         # check_vma=False: pallas_call outputs carry no varying-axes annotation.
         return jax.shard_map(kernel, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
     return mla_attention_reference(*args, scale)

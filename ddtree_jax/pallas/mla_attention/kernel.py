@@ -19,6 +19,7 @@ input dtype (bf16 on the GPU) with float32 accumulation. Checked against the ref
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,9 +27,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.pallas import check_tiles
+from ddtree_jax.pallas import check_compiler, check_tiles
 
 MASK_VALUE = -1e30
+MIN_DOT = 16
+"""Smallest block dimension a compiled Triton dot takes."""
 TARGET_PROGRAMS = 264
 """About two programs per SM of an H200 (132 SMs): how finely the cache is split."""
 
@@ -117,14 +120,36 @@ def _combine(acc, m, denom):  # [B, K, Q, R], [B, K, Q], [B, K, Q] -> [B, Q, R]
     return jnp.sum(w[..., None] * acc, axis=1) / jnp.sum(w * denom, axis=1)[..., None]
 
 
+@dataclasses.dataclass(frozen=True)
+class MLATiles:
+    """Tiles and launch parameters of `mla_attention_pallas` (validated on construction).
+
+    Attributes:
+      block_q: query rows (token x head) per program; shrinks to the next power of two of T * N.
+      block_k: cache slots (and new tokens) per inner step.
+      num_splits: cache splits; None picks `num_cache_splits`.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_q: int = 64
+    block_k: int = 32
+    num_splits: int | None = None
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        check_tiles(block_q=self.block_q, block_k=self.block_k)
+        check_compiler(self.num_warps, self.num_stages)
+        if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
+            raise ValueError(f"num_splits must be None or a positive int, got {self.num_splits!r}")
+
+
 def num_cache_splits(batch: int, query_blocks: int, cache_blocks: int) -> int:
     """Splits so that batch * query_blocks * splits is about TARGET_PROGRAMS, at most one per block."""
     return max(1, min(cache_blocks, -(-TARGET_PROGRAMS // (batch * query_blocks))))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "block_q", "block_k", "num_splits", "num_warps", "num_stages", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def mla_attention_pallas(
     q_lat,  # [B, T, N, R]
     q_pe,  # [B, T, N, P]
@@ -136,23 +161,17 @@ def mla_attention_pallas(
     new_mask,  # [B, T, T]
     *,
     scale: float,
-    block_q: int = 64,
-    block_k: int = 32,
-    num_splits: int | None = None,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    tiles: MLATiles = MLATiles(),
     interpret: bool = False,
 ):
-    """Same contract as `mla_attention_reference`; float32 output [B, T, N, R].
-
-    `num_splits` (cache splits) defaults to `num_cache_splits`; `num_warps` and
-    `num_stages` go to the Triton compiler.
-    """
-    check_tiles(block_q=block_q, block_k=block_k)
+    """Same contract as `mla_attention_reference`; float32 output [B, T, N, R]."""
+    block_q, block_k = tiles.block_q, tiles.block_k
+    if not interpret and block_k < MIN_DOT:
+        raise ValueError(f"block_k must be >= {MIN_DOT} for the compiled kernel, got {block_k}")
     b, t, n, r = q_lat.shape
     s, p = cache_ckv.shape[1], q_pe.shape[-1]
     q = t * n
-    bq = min(block_q, pl.next_power_of_2(q))
+    bq = max(MIN_DOT, min(block_q, pl.next_power_of_2(q)))
     q_pad = pl.cdiv(q, bq) * bq
     s_pad = pl.cdiv(s, block_k) * block_k
     dtype = cache_ckv.dtype
@@ -161,8 +180,9 @@ def mla_attention_pallas(
         x = x.reshape(b, q, x.shape[-1]).astype(dtype)
         return jnp.pad(x, ((0, 0), (0, q_pad - q), (0, 0)))
 
-    # Block shapes are powers of two: the new tokens are padded to t_pad (invisible keys).
-    t_pad = pl.next_power_of_2(t)
+    # Block shapes are powers of two, and 16 or more (Triton's dots give wrong sums below
+    # that: one AR token on the GPU did): the new tokens are padded to t_pad (invisible keys).
+    t_pad = max(MIN_DOT, pl.next_power_of_2(t))
     # Row t * N + h of the query block belongs to token t: expand the mask to rows.
     mask = jnp.repeat(new_mask.astype(jnp.int32), n, axis=1)
     mask = jnp.pad(mask, ((0, 0), (0, q_pad - q), (0, t_pad - t)))
@@ -178,7 +198,7 @@ def mla_attention_pallas(
     lens = jnp.minimum(cache_len.astype(jnp.int32), s)[:, None]
 
     nq, cache_blocks = q_pad // bq, s_pad // block_k
-    ns = num_splits or num_cache_splits(b, nq, cache_blocks)
+    ns = tiles.num_splits or num_cache_splits(b, nq, cache_blocks)
     chunk = pl.cdiv(cache_blocks, ns) * block_k
     acc, m, denom = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_k=block_k, chunk=chunk),
@@ -203,7 +223,7 @@ def mla_attention_pallas(
             jax.ShapeDtypeStruct((b, ns + 1, q_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, ns + 1, q_pad), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
     )(lens, rows(q_lat), rows(q_pe), ckv, kpe, new_ckv, new_kpe, mask)
     return _combine(acc, m, denom)[:, :q].reshape(b, t, n, r)

@@ -36,8 +36,8 @@ def moe_experts(
       gate, up, down: stacked expert weights, [in, out] per expert.
       implementation: "xla" (weight gather or ragged_dot, see reference.py) or
         "pallas" (the grouped Triton-style kernel in kernel.py; on a CPU backend
-        it runs in interpret mode; under a `jax.set_mesh` context whose "model"
-        axis divides E it runs expert-parallel, one shard of experts per device).
+        it runs in interpret mode; under a mesh context (`sharding.use_mesh`) whose rules split
+        the "experts" axis it runs expert-parallel, one shard of experts per device).
 
     Returns:
       [T, H] in x's dtype.
@@ -53,9 +53,9 @@ def moe_experts(
     chex.assert_type(idx, jnp.int32)
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
-        mesh = sharding.context_mesh()
-        axis = None if mesh is None else sharding.spec_for(("experts", None, None), gate.shape, mesh)[0]
-        if axis is None:  # no mesh, or E not divisible by it: one kernel over all experts
+        spec = sharding.kernel_spec(("experts", None, None), gate.shape)
+        axis = None if spec is None else spec[0]
+        if axis is None:  # no mesh, experts not split by its rules, or E not divisible: one kernel
             return kernel(x, idx, w, gate, up, down)
         return _expert_parallel(kernel, axis)(x, idx, w, gate, up, down)
     return moe_experts_xla(x, idx, w, gate, up, down)

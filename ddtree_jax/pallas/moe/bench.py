@@ -3,17 +3,16 @@
     python -m ddtree_jax.pallas.moe.bench                 # GPU: every shape, xla and pallas
     python -m ddtree_jax.pallas.moe.bench --smoke         # CPU: shrunken shapes, interpret mode
 
-Shapes: Kimi-K2 experts (H = 7168, I = 2048, top-8) in bf16 for one AR token or
-trees of 16 / 32 / 64 / 128 nodes (17 / 33 / 65 / 129 tokens with the root). To keep
-GPU memory modest (4.2 GB of weights) only the 48 local experts of one GPU of an
-8-way expert-parallel split of the 384 are built, and each token's 8 experts are
+Shapes: `pallas/shapes.py` (MOE_SHAPES), bf16: the 48 local experts of one GPU of an
+8-way expert-parallel split of Kimi-K2's 384 (4.2 GB of weights), and each token's 8 experts are
 drawn at random, distinct, among those 48: every (token, expert) pair lands on this
 GPU, the worst case of such a split rather than its average (1/8 of the pairs).
 FLOPs count the routed work (2 * T * K * 3 * H * I); bytes count the weights of the
-experts actually used plus x and the output. Peaks are the H200 figures measured on
-this project's machine (shared/reference/gpu-anchors.md): 797 TFLOP/s dense bf16 and
-3.3 TB/s copy bandwidth. "% peak" is the larger of the compute and the memory
-fraction: whichever bound the shape is closer to. The error is against the xla path.
+experts actually used plus x and the output. Peaks are `bench_util.PEAK_FLOPS` /
+`PEAK_BYTES`, measured on this project's H200. "% peak" is the larger of the compute and
+the memory fraction: whichever bound the shape is closer to. The error is against the
+xla path.
+Times are device time from a profiler trace ("timer": "wall" where there is none, the CPU).
 """
 
 from __future__ import annotations
@@ -23,23 +22,15 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.pallas.bench_util import median_time, percent_of_peak
-from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
+from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
+from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
-
-# name: tokens T
-SHAPES = {
-    "kimi_k2_ep8_ar": 1,
-    "kimi_k2_ep8_tree16": 17,
-    "kimi_k2_ep8_tree32": 33,
-    "kimi_k2_ep8_tree64": 65,
-    "kimi_k2_ep8_tree128": 129,
-}
-HIDDEN, INTER, EXPERTS, TOP_K = 7168, 2048, 48, 8
+from ddtree_jax.pallas.shapes import MOE_SHAPES, MoEShape
 
 
-def inputs(t, h, i, e, k, key):
+def inputs(shape: MoEShape, key):
     """Random bf16 activations and weights (scaled so outputs stay O(1)); distinct experts per token."""
+    t, h, i, e, k = shape.tokens, shape.hidden, shape.inter, shape.experts, shape.top_k
     ks = jax.random.split(key, 6)
     bf = jnp.bfloat16
     idx = jnp.argsort(jax.random.uniform(ks[1], (t, e)), axis=-1)[:, :k].astype(jnp.int32)
@@ -55,44 +46,41 @@ def inputs(t, h, i, e, k, key):
 
 
 def main(argv=None):
+    d = MoETiles()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    ap.add_argument("--impl", nargs="+", default=["xla", "pallas"])
+    ap.add_argument("--shapes", nargs="+", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
+    ap.add_argument("--impl", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--block-m", type=int, default=16)
-    ap.add_argument("--block-i", type=int, default=128)
-    ap.add_argument("--block-h", type=int, default=128)
-    ap.add_argument("--block-k", type=int, default=64)
-    ap.add_argument("--num-warps", type=int, default=4)
-    ap.add_argument("--num-stages", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="CPU check: H and I shrunk 32x, interpret mode")
+    ap.add_argument("--block-m", type=int, default=d.block_m)
+    ap.add_argument("--block-i", type=int, default=d.block_i)
+    ap.add_argument("--block-h", type=int, default=d.block_h)
+    ap.add_argument("--block-k", type=int, default=d.block_k)
+    ap.add_argument("--num-warps", type=int, default=d.num_warps)
+    ap.add_argument("--num-stages", type=int, default=d.num_stages)
+    ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
-    h, i = (HIDDEN // 32, INTER // 32) if args.smoke else (HIDDEN, INTER)
-    print(
-        f"device: {jax.devices()[0].device_kind}; H {h}, I {i}, E {EXPERTS}, top-{TOP_K}; pallas tiles "
-        f"m {args.block_m}, i {args.block_i}, h {args.block_h}, k {args.block_k}, "
-        f"{args.num_warps} warps, {args.num_stages} stages"
-    )
-    print("| shape | impl | ms | TFLOP/s | GB/s | % peak | max abs err vs xla |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    tiles = MoETiles(args.block_m, args.block_i, args.block_h, args.block_k, args.num_warps, args.num_stages)
+    print(f"device: {jax.devices()[0].device_kind}; pallas {tiles}")
+    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     xla = jax.jit(moe_experts_xla)
-    tiles = dict(block_m=args.block_m, block_i=args.block_i, block_h=args.block_h, block_k=args.block_k)
-    tiles.update(num_warps=args.num_warps, num_stages=args.num_stages, interpret=args.smoke)
-    pallas = jax.jit(lambda *a: moe_experts_pallas(*a, **tiles))
+    pallas = jax.jit(lambda *a: moe_experts_pallas(*a, tiles=tiles, interpret=args.smoke))
     for name in args.shapes:
-        t = SHAPES[name]
-        x = inputs(t, h, i, EXPERTS, TOP_K, jax.random.PRNGKey(0))
+        shape = MOE_SHAPES[name].shrink() if args.smoke else MOE_SHAPES[name]
+        t, h, i, k = shape.tokens, shape.hidden, shape.inter, shape.top_k
+        x = inputs(shape, jax.random.PRNGKey(0))
         used = int(jnp.unique(x[1]).size)  # experts whose weights are read
-        flops = 2 * t * TOP_K * 3 * h * i
+        flops = 2 * t * k * 3 * h * i
         nbytes = 2 * (used * 3 * h * i + 2 * t * h)
         expected = xla(*x).astype(jnp.float32)
         for impl in args.impl:
             fn = xla if impl == "xla" else pallas
-            sec = median_time(fn, x, args.reps)
+            sec, timer = device_time(fn, x, args.reps)
             err = float(jnp.max(jnp.abs(fn(*x).astype(jnp.float32) - expected)))
             pct = percent_of_peak(flops, nbytes, sec)
             print(
-                f"| {name} | {impl} | {sec * 1e3:.3f} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} | {pct:.1f} | {err:.2e} |"
+                f"| {name} | {impl} | {sec * 1e3:.3f} | {timer} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} "
+                f"| {pct:.1f} | {err:.2e} |"
             )
 
 

@@ -37,13 +37,14 @@ and 18 KiB for down, so about 100 KiB at 3 stages. H and I that are not multiple
 the tiles are zero-padded in XLA, which copies the expert weights on every call:
 Kimi-K2 (H = 7168, I = 2048) needs no padding with the default tiles.
 
-Checked against the reference in interpret mode on the CPU (tests/test_moe_kernel.py).
-On an H200 with Kimi-K2 expert shapes it runs at up to 92% of HBM bandwidth and beats the
-XLA path at 1 token and from 33 on, 7% behind at 17 (docs/benchmarks.md, "Pallas MoE kernel").
+Checked against the reference in interpret mode on the CPU (tests/test_moe_kernel.py,
+tests/test_kernel_shapes.py) and compiled on the GPU (`pytest -m gpu`); GPU figures in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.pallas import check_tiles
+from ddtree_jax.pallas import check_compiler, check_tiles
 
 
 def num_row_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -131,9 +132,34 @@ def _pad_to(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(a, [(0, s - d) for d, s in zip(a.shape, shape, strict=True)])
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_m", "block_i", "block_h", "block_k", "num_warps", "num_stages", "interpret")
-)
+@dataclasses.dataclass(frozen=True)
+class MoETiles:
+    """Tiles and launch parameters of `moe_experts_pallas` (validated on construction).
+
+    Powers of two (the Triton lowering needs power-of-two loads, and 16 or more for
+    its dots); block_i, block_h and block_k shrink to the next power of two of I, H
+    and min(H, I) when those are smaller.
+
+    Attributes:
+      block_m: (token, expert) pairs per row block; every block holds one expert's pairs.
+      block_i, block_h: output tiles of the up / down projections.
+      block_k: the contraction step.
+      num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int = 16
+    block_i: int = 128
+    block_h: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_tiles(block_m=self.block_m, block_i=self.block_i, block_h=self.block_h, block_k=self.block_k)
+        check_compiler(self.num_warps, self.num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
 def moe_experts_pallas(
     x,  # [T, H]
     idx,  # [T, K] int32
@@ -142,22 +168,12 @@ def moe_experts_pallas(
     up,  # [E, H, I]
     down,  # [E, I, H]
     *,
-    block_m: int = 16,
-    block_i: int = 128,
-    block_h: int = 128,
-    block_k: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    tiles: MoETiles = MoETiles(),
     interpret: bool = False,
 ):
-    """Same contract as `moe_experts_reference`: [T, H] in x's dtype.
-
-    Tiles must be powers of two (the Triton lowering needs power-of-two loads, and
-    16 or more for its dots); BI, BH and BK shrink to the next power of two of I, H
-    and min(H, I) when those are smaller. `num_warps` and `num_stages` go to the
-    Triton compiler.
-    """
-    check_tiles(block_m=block_m, block_i=block_i, block_h=block_h, block_k=block_k)
+    """Same contract as `moe_experts_reference`: [T, H] in x's dtype (tiles: `MoETiles`)."""
+    block_m, block_i, block_h, block_k = tiles.block_m, tiles.block_i, tiles.block_h, tiles.block_k
+    num_warps, num_stages = tiles.num_warps, tiles.num_stages
     t, h = x.shape
     e, _, i = gate.shape
     k = idx.shape[1]

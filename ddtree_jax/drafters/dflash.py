@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
-from collections.abc import Callable
 from typing import Any
 
 import chex
@@ -34,17 +32,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ddtree_jax.checkpoint import IGNORED, _Reader, _t
-from ddtree_jax.checks import check_dtype, stored_dtype
+from ddtree_jax import hf, weights
+from ddtree_jax.cache import KVCache
 from ddtree_jax.config import ConfigError, TargetConfig, read_json
 from ddtree_jax.layers import apply_rope, einsum, linear, rms_norm, rope_inv_freq, swiglu
-from ddtree_jax.safetensors_io import CheckpointError, save_file
+from ddtree_jax.model import TargetParams
+from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 __all__ = [
+    "DFlashDrafter",
     "DrafterCache",
     "DrafterConfig",
     "DrafterLayerParams",
     "DrafterParams",
+    "abstract_params",
+    "declare",
     "default_target_layer_ids",
     "draft",
     "drafter_config_for",
@@ -400,36 +402,80 @@ class DrafterParams:
         return self.fc.dtype
 
 
-def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> DrafterParams:
-    """Random weights: normal(0, std) matrices, unit norms."""
-    dtype = check_dtype(dtype)
-    keys = iter(jax.random.split(key, 8))
+# Keys `init_params` splits its key into; each weight's `seed` picks one.
+NUM_INIT_KEYS = 8
 
-    def normal(*shape):
-        return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
+def declare(cfg: DrafterConfig) -> DrafterParams:
+    """Every drafter weight, declared once: a DrafterParams whose leaves are `weights.Weight`s.
+
+    HF (torch Linear [out, in]) -> ours: q/k/v_proj [n * hd, H] -> [H, n, hd];
+    o_proj [H, Nq * hd] -> [Nq, hd, H]; fc [H, n_taps * H] and the MLP transposed.
+    """
     nl, h, i, hd = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    ids = tuple(range(nl))
+
+    def layer(shape, axes, hf_name, hf_shape, to_ours=identity, to_hf=identity, init="normal", seed=0):
+        hf = (HFTensor(f"layers.{{layer}}.{hf_name}", hf_shape, to_ours, to_hf),)
+        return Weight((nl, *shape), ("layers", *axes), init=init, hf=hf, layers=ids, seed=seed)
+
+    def norm(size, axis, hf_name):
+        return layer((size,), (axis,), hf_name, (size,), init="ones")
+
+    def heads_in(n, name, seed):  # [n * hd, H] <-> [H, n, hd]
+        return layer(
+            (h, n, hd),
+            ("embed", "heads", None),
+            f"self_attn.{name}.weight",
+            (n * hd, h),
+            lambda a: transpose(a).reshape(h, n, hd),
+            lambda a: transpose(a.reshape(h, n * hd)),
+            seed=seed,
+        )
+
+    def mlp(shape, axes, name, seed):
+        return layer(shape, axes, f"mlp.{name}.weight", shape[::-1], transpose, transpose, seed=seed)
+
     layers = DrafterLayerParams(
-        input_norm=jnp.ones((nl, h), dtype),
-        q=normal(nl, h, nq, hd),
-        k=normal(nl, h, nkv, hd),
-        v=normal(nl, h, nkv, hd),
-        q_norm=jnp.ones((nl, hd), dtype),
-        k_norm=jnp.ones((nl, hd), dtype),
-        o=normal(nl, nq, hd, h),
-        post_norm=jnp.ones((nl, h), dtype),
-        gate=normal(nl, h, i),
-        up=normal(nl, h, i),
-        down=normal(nl, i, h),
+        input_norm=norm(h, "embed", "input_layernorm.weight"),
+        q=heads_in(nq, "q_proj", 0),
+        k=heads_in(nkv, "k_proj", 1),
+        v=heads_in(nkv, "v_proj", 2),
+        q_norm=norm(hd, None, "self_attn.q_norm.weight"),
+        k_norm=norm(hd, None, "self_attn.k_norm.weight"),
+        o=layer(
+            (nq, hd, h),
+            ("heads", None, "embed"),
+            "self_attn.o_proj.weight",
+            (h, nq * hd),
+            lambda a: transpose(a).reshape(nq, hd, h),
+            lambda a: transpose(a.reshape(nq * hd, h)),
+            seed=3,
+        ),
+        post_norm=norm(h, "embed", "post_attention_layernorm.weight"),
+        gate=mlp((h, i), ("embed", "mlp"), "gate_proj", 4),
+        up=mlp((h, i), ("embed", "mlp"), "up_proj", 5),
+        down=mlp((i, h), ("mlp", "embed"), "down_proj", 6),
     )
+    n_in = cfg.n_taps * h
     return DrafterParams(
         config=cfg,
-        fc=normal(cfg.n_taps * h, h),
-        hidden_norm=jnp.ones((h,), dtype),
+        fc=Weight((n_in, h), (None, "embed"), hf=(HFTensor("fc.weight", (h, n_in), transpose, transpose),), seed=7),
+        hidden_norm=Weight((h,), ("embed",), init="ones", hf=(HFTensor("hidden_norm.weight", (h,)),)),
         layers=layers,
-        norm=jnp.ones((h,), dtype),
+        norm=Weight((h,), ("embed",), init="ones", hf=(HFTensor("norm.weight", (h,)),)),
     )
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> DrafterParams:
+    """Random weights: normal(0, std) matrices, unit norms."""
+    return weights.init(declare(cfg), key, dtype, std, NUM_INIT_KEYS)
+
+
+def abstract_params(cfg: DrafterConfig, dtype=jnp.bfloat16) -> DrafterParams:
+    """The params' `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    return weights.abstract(declare(cfg), dtype)
 
 
 @struct.dataclass
@@ -699,51 +745,6 @@ def train_logits(
 # HF checkpoints
 
 
-# (HF name suffix, HF shape, our field, to_ours, to_hf); HF (torch Linear) stores [out, in].
-Entry = tuple[str, tuple[int, ...], str, Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
-
-
-def _identity(a):
-    return a
-
-
-def _layer_entries(cfg: DrafterConfig) -> list[Entry]:
-    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-
-    def heads_out(n):  # [n * hd, H] <-> [H, n, hd]
-        return lambda a: _t(a).reshape(h, n, hd), lambda a: _t(a.reshape(h, n * hd))
-
-    return [
-        ("input_layernorm.weight", (h,), "input_norm", _identity, _identity),
-        ("post_attention_layernorm.weight", (h,), "post_norm", _identity, _identity),
-        ("self_attn.q_proj.weight", (nq * hd, h), "q", *heads_out(nq)),
-        ("self_attn.k_proj.weight", (nkv * hd, h), "k", *heads_out(nkv)),
-        ("self_attn.v_proj.weight", (nkv * hd, h), "v", *heads_out(nkv)),
-        (
-            "self_attn.o_proj.weight",
-            (h, nq * hd),
-            "o",
-            lambda a: _t(a).reshape(nq, hd, h),
-            lambda a: _t(a.reshape(nq * hd, h)),
-        ),
-        ("self_attn.q_norm.weight", (hd,), "q_norm", _identity, _identity),
-        ("self_attn.k_norm.weight", (hd,), "k_norm", _identity, _identity),
-        ("mlp.gate_proj.weight", (i, h), "gate", _t, _t),
-        ("mlp.up_proj.weight", (i, h), "up", _t, _t),
-        ("mlp.down_proj.weight", (h, i), "down", _t, _t),
-    ]
-
-
-def _top_entries(cfg: DrafterConfig) -> list[Entry]:
-    h = cfg.hidden_size
-    return [
-        ("fc.weight", (h, cfg.n_taps * h), "fc", _t, _t),
-        ("hidden_norm.weight", (h,), "hidden_norm", _identity, _identity),
-        ("norm.weight", (h,), "norm", _identity, _identity),
-    ]
-
-
 def load_drafter(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> DrafterParams:
     """Loads an HF-format DFlash drafter directory (config.json + safetensors, index optional).
 
@@ -762,51 +763,48 @@ def load_drafter(path: str | os.PathLike, *, dtype=None, check_finite: bool = Tr
       ConfigError: a config the drafter does not support.
       ValueError: an unsupported dtype.
     """
-    path = os.fspath(path)
-    if dtype is not None:
-        dtype = check_dtype(dtype)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"drafter directory {path!r} does not exist")
-    cfg = DrafterConfig.from_json_file(os.path.join(path, "config.json"))
-    reader = _Reader(path, dtype=dtype, check_finite=check_finite)
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        prefixed = "model." + name
-        return reader.get(prefixed if not reader.has(name) and reader.has(prefixed) else name, shape)
-
-    top = {field: to_ours(get(suffix, shape)) for suffix, shape, field, to_ours, _ in _top_entries(cfg)}
-    if dtype is None:
-        dtype = stored_dtype(top["fc"].dtype, f"the stored dtype of fc.weight in {path}")
-        reader.dtype = dtype
-
-    def cast(a: np.ndarray) -> jax.Array:
-        return jnp.asarray(np.asarray(a, dtype))
-
-    per_field: dict[str, list[np.ndarray]] = {}
-    for li in range(cfg.num_hidden_layers):
-        for suffix, shape, field, to_ours, _ in _layer_entries(cfg):
-            per_field.setdefault(field, []).append(to_ours(get(f"layers.{li}.{suffix}", shape)))
-    extra = sorted(k for k in reader.where if k not in reader.used and not IGNORED.match(k))
-    if extra:
-        shown = ", ".join(repr(k) for k in extra[:5])
-        raise CheckpointError(f"{len(extra)} unexpected weight(s) in {path}: {shown}{' ...' if len(extra) > 5 else ''}")
-    layers = DrafterLayerParams(**{field: cast(np.stack(arrays)) for field, arrays in per_field.items()})
-    return DrafterParams(config=cfg, layers=layers, **{field: cast(a) for field, a in top.items()})
+    return hf.load_declared(
+        path,
+        what="drafter",
+        read_config=DrafterConfig.from_json_file,
+        declare=declare,
+        dtype_from=lambda decl: decl.fc,
+        dtype=dtype,
+        check_finite=check_finite,
+        prefixes=("model.",),
+    )
 
 
 def save_drafter_hf(params: DrafterParams, path: str | os.PathLike) -> None:
     """Writes an HF-format DFlash directory (config.json + model.safetensors) that `load_drafter` reads."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    cfg = params.config
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_config(), f, indent=2)
-    tensors = {}
-    for suffix, _, field, _, to_hf in _top_entries(cfg):
-        tensors[suffix] = to_hf(np.asarray(getattr(params, field)))
-    for li in range(cfg.num_hidden_layers):
-        for suffix, _, field, _, to_hf in _layer_entries(cfg):
-            tensors[f"layers.{li}.{suffix}"] = np.ascontiguousarray(
-                to_hf(np.asarray(getattr(params.layers, field)[li]))
-            )
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    tensors = hf.hf_tensors(declare(params.config), params)
+    hf.write(os.fspath(path), params.config.to_hf_config(), tensors, None)
+
+
+# ----------------------------------------------------------------------------------
+# The decode loop's view of it (drafters.protocol)
+
+
+@struct.dataclass
+class DFlashDrafter:
+    """Adapter: a DFlash drafter's params as a decode-loop drafter."""
+
+    params: DrafterParams
+    block_size: int = struct.field(pytree_node=False)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tuple(self.params.config.target_layer_ids)
+
+    def init_state(self, target: TargetParams, batch: int, capacity: int) -> DrafterCache:
+        return DrafterCache.init(self.params.config, batch, capacity, self.params.fc.dtype)
+
+    def observe(self, state, taps, positions, valid):
+        return extend_context(self.params, state, tap_features(taps), positions, valid)
+
+    def propose(self, state, target: TargetParams, cache: KVCache, roots: jax.Array, key: jax.Array) -> jax.Array:
+        b, bs = roots.shape[0], self.block_size
+        mask_id = self.params.config.mask_token_id
+        block = jnp.full((b, bs), mask_id, jnp.int32).at[:, 0].set(roots)
+        positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)
+        return draft(self.params, state, target.embed, target.unembed, block, positions)

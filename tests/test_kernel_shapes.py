@@ -1,0 +1,58 @@
+"""The kernels on the named real shapes (pallas/shapes.py): one test base, two modes.
+
+In CI (CPU) a sample of the shapes runs shrunk (`shape.shrink()`), in interpret
+mode; on the GPU machine `pytest -m gpu tests/test_kernel_shapes.py` runs every
+shape full size, compiled. Both compare against the float32 reference on the same
+bf16 operands.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.pallas.mla_attention import bench as mla_bench
+from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
+from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
+from ddtree_jax.pallas.moe import bench as moe_bench
+from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
+from ddtree_jax.pallas.moe.reference import moe_experts_reference
+from ddtree_jax.pallas.shapes import MLA_SHAPES, MOE_SHAPES
+
+ON_GPU = jax.default_backend() == "gpu"
+# Interpret mode runs the kernel body in Python: the CPU takes a sample.
+CPU_SAMPLE = {"kimi_k2_tp8_tree16", "kimi_k2_ep8_tree16"}
+
+
+def _shape(table, name):
+    if not ON_GPU and name not in CPU_SAMPLE:
+        pytest.skip("full size and compiled on the GPU machine: pytest -m gpu")
+    return table[name] if ON_GPU else table[name].shrink()
+
+
+def _f32(args):
+    return [a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MLA_SHAPES))
+def test_mla_kernel_on_named_shapes(name):
+    shape = _shape(MLA_SHAPES, name)
+    args = mla_bench.inputs(shape, jax.random.PRNGKey(1))
+    scale = (shape.kv_lora_rank + shape.rope_dim) ** -0.5
+    got = jax.jit(lambda *a: mla_attention_pallas(*a, scale=scale, interpret=not ON_GPU))(*args)
+    want = mla_attention_reference(*_f32(args), scale)
+    assert got.shape == want.shape == (shape.batch, shape.tokens, shape.heads, shape.kv_lora_rank)
+    err = float(jnp.max(jnp.abs(got - want)))
+    assert err < 3e-2 * float(jnp.max(jnp.abs(want))), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MOE_SHAPES))
+def test_moe_kernel_on_named_shapes(name):
+    shape = _shape(MOE_SHAPES, name)
+    args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
+    got = jax.jit(lambda *a: moe_experts_pallas(*a, interpret=not ON_GPU))(*args).astype(jnp.float32)
+    want = moe_experts_reference(*_f32(args))
+    assert got.shape == (shape.tokens, shape.hidden)
+    np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
