@@ -18,9 +18,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from profile_round import per_call  # experiments/ is on sys.path when a script in it runs
 
 from ddtree_jax import tree
-from experiments.profile_round import per_call
 
 
 def main():

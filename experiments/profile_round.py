@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ import numpy as np
 from ddtree_jax import config, decode, model
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, dflash
+from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
 from ddtree_jax.sampling import SamplingConfig
 
@@ -43,13 +42,7 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
 
         return jax.lax.fori_loop(0, reps, body, args)
 
-    jax.block_until_ready(looped(args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(looped(args))
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    return time_call(lambda: looped(args), repeats)[0] / reps
 
 
 def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, **kwargs) -> float:
@@ -58,27 +51,13 @@ def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats:
     draft = None if method == "ar" else dparams
 
     def run(m):
-        def call():
-            res = generate(
-                target,
-                draft,
-                prompts,
-                method=method,
-                tree_budget=budget,
-                max_new_tokens=m,
-                stop_token_ids=(),
-                **kwargs,
-            )
-            jax.block_until_ready(res.tokens)
-            return res
-
-        res = call()  # compiles
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), float(np.asarray(res.rounds).max())
+        seconds, res = time_call(
+            lambda: generate(
+                target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=(), **kwargs
+            ),
+            repeats,
+        )
+        return seconds, float(np.asarray(res.rounds).max())
 
     t_one, _ = run(1)
     t_all, rounds = run(tokens)

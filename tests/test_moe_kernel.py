@@ -30,7 +30,7 @@ def case(seed, t, e, h, i, idx=None, k=2, dtype=jnp.float32):
     [
         (1, 2, 8, 24, 20, SMALL_TILES),  # AR: T * K < block_m; H, I not multiples of 16; 6 experts idle
         (9, 3, 8, 40, 36, MoETiles(block_m=4, block_i=16, block_h=32, block_k=8)),  # several blocks per expert
-        (33, 8, 16, 64, 32, {}),  # default tiles, shrunk to the small H and I
+        (33, 8, 16, 64, 32, MoETiles()),  # default tiles, shrunk to the small H and I
     ],
 )
 def test_kernel_matches_reference(t, k, e, h, i, tiles):
