@@ -250,6 +250,18 @@ def _numerics_args(p) -> None:
     p.add_argument("--no-check-finite", action="store_true", help="skip the NaN / Inf check of the loaded weights")
 
 
+def quantize_cmd(args) -> None:
+    """SRC (dense HF checkpoint) -> DST with INT4 routed experts (group size 32, round to nearest)."""
+    from ddtree_jax.checkpoint import load_target, save_hf
+    from ddtree_jax.model import quantize_experts
+
+    params = quantize_experts(load_target(args.src))
+    save_hf(params, args.dst, max_shard_bytes=args.max_shard_bytes)
+    g = params.moe_layers.mlp
+    n = g.gate.packed.shape[0] * g.gate.packed.shape[1] * 3
+    print(f"wrote {args.dst}: {n} expert matrices as INT4 (group size {params.config.expert_int4_group_size})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ddtree_jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -280,8 +292,12 @@ def main(argv=None) -> None:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--seed", type=int, default=0)
     _numerics_args(d)
+    q = sub.add_parser("quantize", help="write an HF checkpoint's routed experts as INT4 (compressed-tensors)")
+    q.add_argument("src", help="HF checkpoint directory (dense experts)")
+    q.add_argument("dst", help="output directory (pack-quantized, as Kimi-K2.5 ships)")
+    q.add_argument("--max-shard-bytes", type=int, default=None, help="split the output into files of this size")
     args = ap.parse_args(argv)
-    commands = {"demo": demo, "generate": generate_cmd, "eval": eval_cmd}
+    commands = {"demo": demo, "generate": generate_cmd, "eval": eval_cmd, "quantize": quantize_cmd}
     if args.command == "demo" and args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
     try:

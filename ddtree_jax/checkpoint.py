@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,9 @@ __all__ = ["INDEX_FILE", "CheckpointError", "load_target", "restore_checkpoint",
 PREFIXES = ("language_model.",)
 
 
-def load_target(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> TargetParams:
+def load_target(
+    path: str | os.PathLike, *, dtype=None, check_finite: bool = True, mesh=None, rules=None
+) -> TargetParams:
     """Loads an HF-format DeepSeek-V3 / Kimi-K2 checkpoint directory.
 
     Reads `config.json` and one or many `*.safetensors` files (with
@@ -40,6 +44,10 @@ def load_target(path: str | os.PathLike, *, dtype=None, check_finite: bool = Tru
         embedding's stored dtype. The router stays float32.
       check_finite: refuse a tensor holding NaN or Inf, as stored or once cast to
         `dtype` (one pass over the weights; False skips it).
+      mesh: place each tensor straight onto its shards of this mesh (`sharding.make_mesh`):
+        every device reads only the layers / experts it owns, one HF tensor at a time, and
+        host memory never holds the whole model. None loads onto the default device.
+      rules: logical -> mesh axis rules (default `sharding.RULES`).
 
     Raises:
       FileNotFoundError: no directory, config.json or weight files.
@@ -47,7 +55,7 @@ def load_target(path: str | os.PathLike, *, dtype=None, check_finite: bool = Tru
       ConfigError: a config the engine does not support.
       ValueError: an unsupported dtype.
     """
-    return hf.load_declared(
+    params, reader = hf.load_declared(
         path,
         what="checkpoint",
         read_config=TargetConfig.from_json_file,
@@ -55,15 +63,29 @@ def load_target(path: str | os.PathLike, *, dtype=None, check_finite: bool = Tru
         dtype_from=lambda decl: decl.embed,
         dtype=dtype,
         check_finite=check_finite,
+        mesh=mesh,
+        rules=rules,
         prefixes=PREFIXES,
         skip=_not_read,
+        return_reader=True,
     )
+    vision = [k for k in reader.where if re.match(VISION, k)]
+    if vision:
+        warnings.warn(
+            f"{path}: skipped {len(vision)} vision tensors ({vision[0]!r}, ...): the engine runs text only",
+            stacklevel=2,
+        )
+    return params
+
+
+# A multimodal wrapper's (Kimi-K2.5's) vision tower and projector: a text engine skips them.
+VISION = r"^(vision_tower|vision_model|mm_projector|multi_modal_projector)\."
 
 
 def _not_read(cfg: TargetConfig) -> str:
-    """The MTP layer (index num_hidden_layers), and a tied model's stored lm_head."""
+    """The MTP layer (index num_hidden_layers), a tied model's stored lm_head, vision weights."""
     mtp = rf"^model\.layers\.{cfg.num_hidden_layers}\."
-    return mtp + (r"|^lm_head\.weight$" if cfg.tie_word_embeddings else "")
+    return mtp + (r"|^lm_head\.weight$" if cfg.tie_word_embeddings else "") + "|" + VISION
 
 
 def save_hf(

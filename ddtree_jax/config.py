@@ -77,6 +77,9 @@ class TargetConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Routed experts stored INT4 (W4A16, symmetric) in groups of this many inputs, as
+    # compressed-tensors pack-quantized checkpoints ship them; None = unquantized.
+    expert_int4_group_size: int | None = None
 
     def __post_init__(self):
         positive = (
@@ -140,6 +143,16 @@ class TargetConfig:
             )
         if self.n_shared_experts < 0:
             raise ConfigError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        g = self.expert_int4_group_size
+        if g is not None:
+            if not isinstance(g, int) or isinstance(g, bool) or g < 8 or g % 8:
+                raise ConfigError(f"expert_int4_group_size must be None or a positive multiple of 8, got {g!r}")
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % g:
+                    raise ConfigError(
+                        f"{name}={getattr(self, name)} is not a multiple of expert_int4_group_size={g} "
+                        "(INT4 groups run along each expert matrix's input dim)"
+                    )
 
     # Derived sizes -----------------------------------------------------------------
 
@@ -212,6 +225,9 @@ class TargetConfig:
         Raises:
             ConfigError: on a missing key or a feature the engine does not support.
         """
+        from ddtree_jax.compressed import expert_group_size
+
+        group_size = expert_group_size(hf)
         if "text_config" in hf and "hidden_size" not in hf:
             hf = hf["text_config"]
         model_type = hf.get("model_type", "deepseek_v3")
@@ -232,29 +248,7 @@ class TargetConfig:
         if nkv is not None and nkv != nh:
             raise ConfigError(f"num_key_value_heads={nkv} != num_attention_heads={nh} is not supported by MLA")
 
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope.update(scaling)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        yarn = None
-        if rope_type == "yarn":
-            orig = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-            factor = rope.get("factor")
-            if factor is None:
-                factor = hf["max_position_embeddings"] / orig
-            yarn = YarnConfig(
-                factor=float(factor),
-                original_max_position_embeddings=int(orig),
-                beta_fast=float(rope.get("beta_fast") or 32.0),
-                beta_slow=float(rope.get("beta_slow") or 1.0),
-                mscale=rope.get("mscale"),
-                mscale_all_dim=rope.get("mscale_all_dim"),
-                attention_factor=rope.get("attention_factor"),
-                truncate=bool(rope.get("truncate", True)),
-            )
-        elif rope_type != "default":
-            raise ConfigError(f"rope type {rope_type!r} is not supported (only default and yarn)")
+        rope_theta, yarn = parse_rope(hf, 10000.0)
 
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
@@ -305,6 +299,7 @@ class TargetConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
+            expert_int4_group_size=group_size,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -319,21 +314,59 @@ class TargetConfig:
             "num_key_value_heads": self.num_attention_heads,
         }
         for f in dataclasses.fields(self):
-            if f.name != "rope_scaling":
+            if f.name not in ("rope_scaling", "expert_int4_group_size"):
                 out[f.name] = getattr(self, f.name)
+        if self.expert_int4_group_size is not None:
+            from ddtree_jax.compressed import quantization_config
+
+            out["quantization_config"] = quantization_config(self.expert_int4_group_size)
         if self.rope_scaling is not None:
-            ys = dataclasses.asdict(self.rope_scaling)
-            out["rope_scaling"] = {
-                "type": "yarn",
-                "rope_type": "yarn",
-                **{k: v for k, v in ys.items() if v is not None},
-            }
+            out["rope_scaling"] = yarn_hf_dict(self.rope_scaling)
         return out
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> TargetConfig:
         """Reads an HF `config.json` file (see `from_hf_config`)."""
         return cls.from_hf_config(read_json(path))
+
+
+def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnConfig | None]:
+    """(rope_theta, YaRN scaling or None) of an HF config dict.
+
+    Accepts the classic `rope_theta` + `rope_scaling` keys and transformers 5's
+    `rope_parameters`.
+
+    Raises:
+      ConfigError: a RoPE type other than default and yarn.
+    """
+    rope = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    rope.update(scaling)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ConfigError(f"rope type {rope_type!r} is not supported (only default and yarn)")
+    orig = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    factor = rope.get("factor")
+    if factor is None:
+        factor = hf["max_position_embeddings"] / orig
+    return theta, YarnConfig(
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=rope.get("mscale"),
+        mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def yarn_hf_dict(ys: YarnConfig) -> dict[str, Any]:
+    """The HF `rope_scaling` dict of a YaRN config."""
+    return {"type": "yarn", "rope_type": "yarn", **{k: v for k, v in dataclasses.asdict(ys).items() if v is not None}}
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ddtree_jax.checks import check_dtype, nonfinite_message, stored_dtype
-from ddtree_jax.weights import HFTensor, Weight, is_weight
+from ddtree_jax.quant import PACK, QuantizedArray
+from ddtree_jax.weights import HFTensor, Weight, is_weight, transpose
 
 __all__ = ["INDEX_FILE", "CheckpointError", "Reader", "hf_tensors", "load_declared", "load_weights", "write"]
 
@@ -134,13 +135,39 @@ def _names(h: HFTensor, layer: int | None, experts: int) -> list[str]:
     return [h.name.format(layer=layer)]
 
 
+def _all_names(w: Weight) -> list[str]:
+    h = w.hf[0]
+    return [n for layer in (w.layers if w.layers is not None else (None,)) for n in _names(h, layer, _experts(w))]
+
+
 def _experts(w: Weight) -> int:
     return w.shape[1 if w.layers is not None else 0]
 
 
-def _read(reader: Reader, w: Weight, dtype) -> np.ndarray:
+def _quantized_names(name: str) -> tuple[str, str, str]:
+    """weight_packed, weight_scale and weight_shape beside a quantized Linear's `.weight`."""
+    base = name.removesuffix(".weight")
+    return f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_shape"
+
+
+def _read_int4(reader: Reader, w: Weight) -> QuantizedArray:
+    """A compressed-tensors pack-quantized weight: HF [out, in / 8] / [out, in / G] -> ours transposed."""
+    h = w.hf[0]
+    per_layer = []
+    for layer in w.layers if w.layers is not None else (None,):
+        entries = [_int4_entry(reader, w, name) for name in _names(h, layer, _experts(w))]
+        expert = "{expert}" in h.name
+        per_layer.append(tuple(np.stack([e[i] for e in entries]) if expert else entries[0][i] for i in range(2)))
+    if w.layers is not None:
+        packed, scale = (np.stack([layer[i] for layer in per_layer]) for i in range(2))
+    else:
+        packed, scale = per_layer[0]
+    return QuantizedArray(packed=packed, scale=scale)
+
+
+def _read(reader: Reader, w: Weight, dtype) -> np.ndarray | QuantizedArray:
     if w.quant is not None:
-        raise CheckpointError("quantized weights are not read from HF checkpoints yet")
+        return _read_int4(reader, w)
     dtype = np.dtype(w.dtype_for(dtype))
     per_layer = []
     for layer in w.layers if w.layers is not None else (None,):
@@ -154,6 +181,61 @@ def _read(reader: Reader, w: Weight, dtype) -> np.ndarray:
     return np.asarray(a, dtype)
 
 
+def _read_sharded(reader: Reader, w: Weight, dtype, sharding):
+    """One weight placed straight onto `sharding`: each device's callback reads the HF
+    tensors of the layers / experts it owns, one at a time, and keeps only its slice."""
+    stacked, experts = w.layers is not None, _experts(w)
+    layer0 = w.layers[0] if stacked else None
+    h = next((h for h in w.hf if reader.has(_names(h, layer0, experts)[0])), w.hf[0])
+    per_expert = "{expert}" in h.name
+    dtype = np.dtype(w.dtype_for(dtype))
+    last: dict = {}  # the one HF tensor held: consecutive slices of it are not re-read
+
+    def entry(k, e):  # ours, for stack entry k and expert e
+        if (k, e) not in last:
+            last.clear()
+            name = h.name.format(layer=w.layers[k] if stacked else None, expert=e)
+            if w.quant is None:
+                last[(k, e)] = (np.asarray(h.to_ours(reader.get(name, h.shape, dtype)), dtype),)
+            else:
+                last[(k, e)] = _int4_entry(reader, w, name)
+        return last[(k, e)]
+
+    def array(part: int, shape: tuple[int, ...], part_sharding):
+        def callback(index):
+            index = tuple(index)
+            ks = range(*index[0].indices(shape[0])) if stacked else [None]
+            axis = 1 if stacked else 0
+            es = range(*index[axis].indices(shape[axis])) if per_expert else [None]
+            rest = index[axis + (1 if per_expert else 0) :]
+            rows = []
+            for k in ks:
+                row = [entry(k, e)[part][rest] for e in es]
+                rows.append(np.stack(row) if per_expert else row[0])
+            return np.stack(rows) if stacked else rows[0]
+
+        return jax.make_array_from_callback(shape, part_sharding, callback)
+
+    if w.quant is None:
+        return array(0, w.shape, sharding)
+    stored = w.quant.stored(w.shape)
+    return QuantizedArray(
+        packed=array(0, stored.packed.shape, sharding.packed), scale=array(1, stored.scale.shape, sharding.scale)
+    )
+
+
+def _int4_entry(reader: Reader, w: Weight, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(packed [in / 8, out], scale [in / G, out]) of one quantized Linear named `name`."""
+    fan_out, fan_in = w.hf[0].shape
+    p_name, s_name, shape_name = _quantized_names(name)
+    stored = reader.get(shape_name, (2,), np.int64)
+    if tuple(int(v) for v in stored) != (fan_out, fan_in):
+        raise CheckpointError(f"{shape_name} is {stored.tolist()}, expected [{fan_out}, {fan_in}]")
+    packed = transpose(reader.get(p_name, (fan_out, fan_in // PACK), np.int32))
+    scale = transpose(reader.get(s_name, (fan_out, fan_in // w.quant.group_size), np.dtype(w.quant.scale_dtype)))
+    return np.ascontiguousarray(packed), np.ascontiguousarray(scale)
+
+
 def load_weights(reader: Reader, decl, dtype):
     """Params for a declaration tree, read from `reader` (numpy arrays, each in its weight's dtype)."""
     return jax.tree.map(lambda w: _read(reader, w, dtype), decl, is_leaf=is_weight)
@@ -165,9 +247,10 @@ def hf_tensors(decl, params, layout: str = "default") -> Iterator[tuple[str, np.
     weights = jax.tree.leaves(decl, is_leaf=is_weight)
     arrays = jax.tree.leaves(jax.tree.map(lambda w, a: [a], decl, params, is_leaf=is_weight), is_leaf=is_list)
     for w, (a,) in zip(weights, arrays, strict=True):
-        if w.quant is not None:
-            raise CheckpointError("quantized weights are not written to HF checkpoints yet")
         h = next((h for h in w.hf if h.layout == layout), w.hf[0])
+        if w.quant is not None:
+            yield from _int4_tensors(w, a)
+            continue
         a = np.asarray(a)
         for k, layer in enumerate(w.layers if w.layers is not None else (None,)):
             entry = a[k] if w.layers is not None else a
@@ -193,6 +276,9 @@ def load_declared(
     check_finite: bool = True,
     prefixes: tuple[str, ...] = (),
     skip: Callable[[Any], str | None] = lambda cfg: None,
+    return_reader: bool = False,
+    mesh=None,
+    rules=None,
 ):
     """Params of an HF directory: its config.json read by `read_config`, every weight `declare`s.
 
@@ -206,9 +292,14 @@ def load_declared(
       check_finite: refuse NaN / Inf, as stored or once cast.
       prefixes: name prefixes to strip.
       skip: config -> a regex of stored names that are not read (nor refused as extra).
+      return_reader: also return the `Reader` (to report what was skipped).
+      mesh: place every tensor straight onto its shards of this mesh (`sharding.RULES`,
+        or `rules`): each device reads what it owns, one HF tensor at a time, so host
+        memory never holds the whole model.
+      rules: logical -> mesh axis rules for `mesh`.
 
     Returns:
-      The params, as jax arrays.
+      The params, as jax arrays (and the reader).
     """
     path = os.fspath(path)
     if dtype is not None:
@@ -217,18 +308,44 @@ def load_declared(
         raise FileNotFoundError(f"{what} directory {path!r} does not exist")
     cfg = read_config(os.path.join(path, "config.json"))
     reader = Reader(path, dtype=dtype, check_finite=check_finite, prefixes=prefixes)
-    packed = [k for k in reader.where if k.endswith(".weight_packed")]
-    if packed:
-        raise CheckpointError(f"{path}: INT4 pack-quantized weights ({packed[0]!r}, ...) are not supported yet")
     decl = declare(cfg)
+    declared = {
+        _quantized_names(n)[0] for w in jax.tree.leaves(decl, is_leaf=is_weight) if w.quant for n in _all_names(w)
+    }
+    stray = sorted(k for k in reader.where if k.endswith(".weight_packed") and k not in declared)
+    if stray:
+        raise CheckpointError(
+            f"{path}: {stray[0]!r} is pack-quantized, but only routed experts may be (and only when "
+            "config.json's quantization_config says so)"
+        )
     if dtype is None:
         h = dtype_from(decl).hf[0]
         stored = reader.get(h.name, h.shape).dtype
         dtype = reader.dtype = stored_dtype(stored, f"the stored dtype of {h.name} in {path}")
-    params = load_weights(reader, decl, dtype)
+    if mesh is None:
+        params = jax.tree.map(jnp.asarray, load_weights(reader, decl, dtype))
+    else:
+        from ddtree_jax import sharding, weights
+
+        placement = sharding.shardings(weights.abstract(decl, dtype), weights.axes(decl), mesh, rules)
+        params = jax.tree.map(lambda w, s: _read_sharded(reader, w, dtype, s), decl, placement, is_leaf=is_weight)
     pattern = skip(cfg)
     reader.check_all_used(None if pattern is None else re.compile(pattern))
-    return jax.tree.map(jnp.asarray, params)
+    return (params, reader) if return_reader else params
+
+
+def _int4_tensors(w: Weight, q: QuantizedArray) -> Iterator[tuple[str, np.ndarray]]:
+    """weight_packed / weight_scale / weight_shape of every layer and expert of an INT4 weight."""
+    h = w.hf[0]
+    packed, scale = np.asarray(q.packed), np.asarray(q.scale)
+    for k, layer in enumerate(w.layers if w.layers is not None else (None,)):
+        p_l, s_l = (packed[k], scale[k]) if w.layers is not None else (packed, scale)
+        for j, name in enumerate(_names(h, layer, _experts(w))):
+            p_e, s_e = (p_l[j], s_l[j]) if "{expert}" in h.name else (p_l, s_l)
+            p_name, s_name, shape_name = _quantized_names(name)
+            yield p_name, np.ascontiguousarray(transpose(p_e))
+            yield s_name, np.ascontiguousarray(transpose(s_e))
+            yield shape_name, np.asarray(h.shape, np.int64)
 
 
 def is_list(x) -> bool:

@@ -15,6 +15,7 @@ is kept split as W_UK [N, D, R] and W_UV [N, Dv, R].
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from ddtree_jax.numerics import tile_rows
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
+from ddtree_jax.quant import Int4
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
@@ -237,6 +239,7 @@ def declare(cfg: TargetConfig) -> TargetParams:
 
     def experts(ids):
         e, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+        quant = None if cfg.expert_int4_group_size is None else Int4(cfg.expert_int4_group_size)
 
         def expert(name, shape, axes, fused_name, fused_shape, fused_to_ours):
             fused = HFTensor(
@@ -247,6 +250,7 @@ def declare(cfg: TargetConfig) -> TargetParams:
                 join_axis=1 if fused_name == "gate_up_proj" else None,
                 layout="fused",
             )
+            # INT4 experts are stored per expert (weight_packed / weight_scale / weight_shape).
             return layer_weight(
                 ids,
                 (e, *shape),
@@ -255,7 +259,8 @@ def declare(cfg: TargetConfig) -> TargetParams:
                 shape[::-1],
                 transpose,
                 transpose,
-                layouts=(fused,),
+                layouts=() if quant else (fused,),
+                quant=quant,
             )
 
         return dict(
@@ -314,8 +319,24 @@ def abstract_params(cfg: TargetConfig, dtype=jnp.bfloat16) -> TargetParams:
 
 
 def cast_params(params: TargetParams, dtype) -> TargetParams:
-    """Casts every weight to dtype except the router and its bias (kept float32)."""
+    """Casts every weight to dtype except the router and its bias (kept float32) and INT4 experts."""
     return weights.cast(declare(params.config), params, dtype)
+
+
+def quantize_experts(params: TargetParams, group_size: int = 32) -> TargetParams:
+    """The same model with its routed experts stored INT4 (round to nearest, one scale per
+    `group_size` inputs): what `python -m ddtree_jax quantize` writes."""
+    if params.config.expert_int4_group_size is not None:
+        raise ValueError(f"the routed experts are INT4 already (group size {params.config.expert_int4_group_size})")
+    if params.moe_layers is None:
+        raise ValueError("the model has no routed experts to quantize")
+    cfg = dataclasses.replace(params.config, expert_int4_group_size=group_size)
+    return jax.tree.map(
+        lambda w, a: a if w.quant is None else w.quant.quantize(a),
+        declare(cfg),
+        params.replace(config=cfg),
+        is_leaf=weights.is_weight,
+    )
 
 
 # ----------------------------------------------------------------------------------

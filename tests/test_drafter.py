@@ -384,6 +384,51 @@ def test_sliding_window_configs():
     assert dataclasses.replace(CFG, num_hidden_layers=3).types == ("full_attention",) * 3
 
 
+# Shaped after z-lab/Kimi-K2.5-DFlash's public model card (hidden, layers, heads, intermediate,
+# vocab, max positions, YaRN factor 64 and theta 50 000). The card does not give head_dim, YaRN's
+# original window, the taps or the mask id: those are assumptions (Qwen3's default head_dim,
+# 262144 / 64, DFlash's default taps for 61 layers, a late vocabulary id).
+KIMI_K25_DFLASH_HF = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "hidden_size": 7168,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 18432,
+    "vocab_size": 163840,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "num_target_layers": 61,
+    "block_size": 16,
+    "dflash_config": {"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+}
+
+
+def test_the_kimi_k25_drafter_config_loads_with_yarn():
+    cfg = DrafterConfig.from_hf_config(KIMI_K25_DFLASH_HF)
+    assert cfg == dflash.KIMI_K25_DFLASH
+    assert cfg.rope_scaling.factor == 64.0 and cfg.rope_theta == 50000.0
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 8, 128)
+    assert DrafterConfig.from_hf_config(cfg.to_hf_config()) == cfg
+    shapes = dflash.abstract_params(cfg)
+    n = sum(a.size for a in jax.tree.leaves(shapes))
+    assert 3.0e9 < n < 4.0e9, n  # about 3.5B parameters (embedding and lm_head are the target's)
+    # YaRN changes the rotation (and scales it by its attention factor).
+    plain = dataclasses.replace(cfg, rope_scaling=None)
+    pos = jnp.asarray([[0, 5000, 100000]])
+    cos_y, _ = dflash._rope(cfg, pos)
+    cos_p, _ = dflash._rope(plain, pos)
+    assert not np.allclose(cos_y, cos_p)
+    assert float(cos_y[0, 0, 0]) == pytest.approx(0.1 * np.log(64.0) + 1.0, rel=1e-6)
+
+
 def test_transformers5_rope_parameters():
     hf = {k: v for k, v in PUBLISHED.items() if k not in ("rope_theta", "rope_scaling")}
     hf["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
@@ -409,8 +454,8 @@ def test_default_target_layer_ids(layers, targets, want):
         ({"hidden_size": 0}, "hidden_size"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"attention_bias": True}, "attention_bias"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope type 'linear'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "rope type 'dynamic'"),
         ({"layer_types": ["sliding_attention"] * 5}, "sliding_attention layers but no window"),
         ({"layer_types": ["sliding_attention"] * 5, "use_sliding_window": True, "sliding_window": 8}, "block_size=16"),
         ({"layer_types": ["full_attention"] * 4}, "one type per layer"),

@@ -169,3 +169,50 @@ def test_drafter_axes_fit():
     shapes = dflash.abstract_params(dcfg)
     axes = sharding.drafter_logical_axes(shapes)
     assert axes.layers.q == ("layers", "embed", "heads", None)
+
+
+LOAD_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import jax, numpy as np
+    from ddtree_jax import checkpoint, sharding
+    from ddtree_jax.drafters import dflash
+
+    path = sys.argv[1]
+    mesh = sharding.make_mesh(data=2, model=4)
+    for name in ("dense", "int4"):
+        params = checkpoint.load_target(os.path.join(path, name), mesh=mesh)
+        want = sharding.shard_target(checkpoint.load_target(os.path.join(path, name)), mesh)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+            assert a.sharding == b.sharding, (a.sharding, b.sharding)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert params.moe_layers.mlp.gate.packed.sharding.spec[1] == "model"
+    d = dflash.load_drafter(os.path.join(path, "drafter"), mesh=mesh)
+    want = sharding.shard_drafter(dflash.load_drafter(os.path.join(path, "drafter")), mesh)
+    for a, b in zip(jax.tree.leaves(d), jax.tree.leaves(want), strict=True):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    print("LOADED ONTO SHARDS OK")
+    """
+)
+
+
+def test_loading_onto_shards_equals_placing_after_loading(tmp_path):
+    """load_target / load_drafter(mesh=...) read each tensor straight onto its shards: the same
+    values and placements as shard_target(load_target(...)), dense and INT4, from many files."""
+    import jax
+
+    from ddtree_jax import checkpoint, model
+    from tests.conftest import tiny
+
+    cfg = tiny(num_attention_heads=8, n_routed_experts=8, n_group=2, topk_group=1)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
+    checkpoint.save_hf(params, tmp_path / "dense", max_shard_bytes=nbytes // 6)
+    checkpoint.save_hf(model.quantize_experts(params), tmp_path / "int4", max_shard_bytes=nbytes // 6)
+    dcfg = dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=4, num_key_value_heads=8)
+    dflash.save_drafter_hf(dflash.init_params(dcfg, jax.random.PRNGKey(1)), tmp_path / "drafter")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and "LOADED ONTO SHARDS OK" in proc.stdout, proc.stderr[-4000:]

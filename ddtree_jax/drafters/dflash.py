@@ -34,12 +34,13 @@ from flax import struct
 
 from ddtree_jax import hf, weights
 from ddtree_jax.cache import KVCache
-from ddtree_jax.config import ConfigError, TargetConfig, read_json
+from ddtree_jax.config import ConfigError, TargetConfig, YarnConfig, parse_rope, read_json, yarn_hf_dict
 from ddtree_jax.layers import apply_rope, einsum, linear, rms_norm, rope_inv_freq, swiglu
 from ddtree_jax.model import TargetParams
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 __all__ = [
+    "KIMI_K25_DFLASH",
     "DFlashDrafter",
     "DrafterCache",
     "DrafterConfig",
@@ -89,6 +90,7 @@ class DrafterConfig:
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
+    rope_scaling: YarnConfig | None = None  # YaRN (Kimi-K2.5-DFlash: factor 64, theta 50 000)
     num_target_layers: int | None = None
     max_position_embeddings: int = 40960
     # HF Qwen3 sliding windows: a "sliding_attention" layer's query at position q sees
@@ -213,12 +215,7 @@ class DrafterConfig:
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
         if hf.get("attention_bias", False):
             raise ConfigError("attention_bias=True is not supported")
-        if hf.get("rope_scaling") is not None:
-            raise ConfigError(f"rope_scaling {hf['rope_scaling']!r} is not supported (plain RoPE only)")
-        rope = hf.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"rope type {rope_type!r} is not supported (plain RoPE only)")
+        rope_theta, yarn = parse_rope(hf, 1e6)
         if hf.get("is_causal"):
             raise ConfigError("is_causal=True is not supported (DFlash attends without a mask)")
         dflash = hf.get("dflash_config") or {}
@@ -270,7 +267,8 @@ class DrafterConfig:
             target_layer_ids=tuple(target_layer_ids),
             mask_token_id=value("mask_token_id"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e6))),
+            rope_theta=rope_theta,
+            rope_scaling=yarn,
             num_target_layers=num_target_layers,
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             layer_types=layer_types,
@@ -289,8 +287,10 @@ class DrafterConfig:
             "layer_types": list(self.types),
         }
         for f in dataclasses.fields(self):
-            if f.name not in ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types"):
+            if f.name not in ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types", "rope_scaling"):
                 out[f.name] = getattr(self, f.name)
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = yarn_hf_dict(self.rope_scaling)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         out["dflash_config"] = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
@@ -315,6 +315,30 @@ class DrafterConfig:
         bad = [layer for layer in self.target_layer_ids if not 0 <= layer < n]
         if bad:
             raise ConfigError(f"drafter target_layer_ids {bad} outside the target's layers [0, {n})")
+
+
+KIMI_K25_DFLASH = DrafterConfig(
+    hidden_size=7168,
+    num_hidden_layers=6,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=18432,
+    vocab_size=163840,
+    block_size=16,
+    target_layer_ids=(1, 12, 24, 35, 47, 58),
+    mask_token_id=163838,
+    rms_norm_eps=1e-6,
+    rope_theta=50000.0,
+    rope_scaling=YarnConfig(factor=64.0, original_max_position_embeddings=4096, mscale=None, mscale_all_dim=None),
+    num_target_layers=61,
+    max_position_embeddings=262144,
+)
+"""The shape of z-lab/Kimi-K2.5-DFlash as its public model card gives it: 6 Qwen3 layers of
+width 7168 (64 query / 8 KV heads, intermediate 18432) on Kimi-K2.5's 163840-token vocabulary,
+YaRN RoPE (factor 64, theta 50 000), 262144 positions. The card does not give head_dim (here
+Qwen3's default 128), YaRN's original window (here 262144 / 64), the taps (here DFlash's default
+for 61 layers) or the mask id (here 163838): the downloaded config.json is authoritative."""
 
 
 def drafter_config_for(
@@ -534,10 +558,10 @@ def tap_features(taps: jax.Array) -> jax.Array:
 
 
 def _rope(cfg: DrafterConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, hd // 2] float32 at integer positions [B, T]."""
-    inv_freq, _ = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
+    """cos, sin [B, T, hd // 2] float32 at integer positions [B, T] (YaRN's attention factor folded in)."""
+    inv_freq, factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    return jnp.cos(freqs), jnp.sin(freqs)
+    return jnp.cos(freqs) * factor, jnp.sin(freqs) * factor
 
 
 def _keys_values(
@@ -745,7 +769,9 @@ def train_logits(
 # HF checkpoints
 
 
-def load_drafter(path: str | os.PathLike, *, dtype=None, check_finite: bool = True) -> DrafterParams:
+def load_drafter(
+    path: str | os.PathLike, *, dtype=None, check_finite: bool = True, mesh=None, rules=None
+) -> DrafterParams:
     """Loads an HF-format DFlash drafter directory (config.json + safetensors, index optional).
 
     Weight names may carry a "model." prefix.
@@ -756,6 +782,8 @@ def load_drafter(path: str | os.PathLike, *, dtype=None, check_finite: bool = Tr
         dtype of `fc.weight`.
       check_finite: refuse a tensor holding NaN or Inf, as stored or once cast to
         `dtype` (False skips the pass).
+      mesh: place each tensor straight onto its shards of this mesh (see `load_target`).
+      rules: logical -> mesh axis rules (default `sharding.RULES`).
 
     Raises:
       FileNotFoundError: no directory, config.json or weight files.
@@ -771,6 +799,8 @@ def load_drafter(path: str | os.PathLike, *, dtype=None, check_finite: bool = Tr
         dtype_from=lambda decl: decl.fc,
         dtype=dtype,
         check_finite=check_finite,
+        mesh=mesh,
+        rules=rules,
         prefixes=("model.",),
     )
 

@@ -13,6 +13,7 @@ from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
+from ddtree_jax.quant import QuantizedArray
 
 AVAILABLE = ("xla", "pallas")
 
@@ -33,7 +34,8 @@ def moe_experts(
       x: token activations.
       idx: the K experts chosen for each token.
       w: their routing weights (already normalised and scaled).
-      gate, up, down: stacked expert weights, [in, out] per expert.
+      gate, up, down: stacked expert weights, [in, out] per expert, dense or INT4
+        (`quant.QuantizedArray`, "xla" only).
       implementation: "xla" (weight gather or ragged_dot, see reference.py) or
         "pallas" (the grouped Triton-style kernel in kernel.py; on a CPU backend
         it runs in interpret mode; under a mesh context (`sharding.use_mesh`) whose rules split
@@ -43,6 +45,10 @@ def moe_experts(
       [T, H] in x's dtype.
     """
     check_implementation(implementation, AVAILABLE, "moe_experts")
+    if isinstance(gate, QuantizedArray) and implementation == "pallas":
+        raise NotImplementedError(
+            "moe_experts: INT4 experts run with implementation='xla' (a W4A16 Pallas kernel is not there yet)"
+        )
     t, h = x.shape
     e, _, i = gate.shape
     k = idx.shape[1]

@@ -11,7 +11,7 @@ FLOPs count the routed work (2 * T * K * 3 * H * I); bytes count the weights of 
 experts actually used plus x and the output. Peaks are `bench_util.PEAK_FLOPS` /
 `PEAK_BYTES`, measured on this project's H200. "% peak" is the larger of the compute and
 the memory fraction: whichever bound the shape is closer to. The error is against the
-xla path.
+xla path ("xla-int4": the XLA path on INT4 weights, its error including the quantization's).
 Times are device time from a profiler trace ("timer": "wall" where there is none, the CPU).
 """
 
@@ -26,6 +26,7 @@ from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
 from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
 from ddtree_jax.pallas.shapes import MOE_SHAPES, MoEShape
+from ddtree_jax.quant import Int4
 
 
 def inputs(shape: MoEShape, key):
@@ -49,7 +50,7 @@ def main(argv=None):
     d = MoETiles()
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
-    ap.add_argument("--impl", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"])
+    ap.add_argument("--impl", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas", "xla-int4"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block-m", type=int, default=d.block_m)
     ap.add_argument("--block-i", type=int, default=d.block_i)
@@ -59,6 +60,7 @@ def main(argv=None):
     ap.add_argument("--num-stages", type=int, default=d.num_stages)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
+    int4 = Int4(32)
     tiles = MoETiles(args.block_m, args.block_i, args.block_h, args.block_k, args.num_warps, args.num_stages)
     print(f"device: {jax.devices()[0].device_kind}; pallas {tiles}")
     print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
@@ -74,12 +76,15 @@ def main(argv=None):
         nbytes = 2 * (used * 3 * h * i + 2 * t * h)
         expected = xla(*x).astype(jnp.float32)
         for impl in args.impl:
-            fn = xla if impl == "xla" else pallas
-            sec, timer = device_time(fn, x, args.reps)
-            err = float(jnp.max(jnp.abs(fn(*x).astype(jnp.float32) - expected)))
-            pct = percent_of_peak(flops, nbytes, sec)
+            fn, operands, weight_bytes = (xla if impl == "xla" else pallas), x, nbytes
+            if impl == "xla-int4":  # INT4 weights (packed + bf16 scales per 32): 4.5 bits per weight
+                fn, operands = xla, (*x[:3], *(int4.quantize(a) for a in x[3:]))
+                weight_bytes = nbytes - 2 * used * 3 * h * i + used * 3 * h * i * 9 // 16
+            sec, timer = device_time(fn, operands, args.reps)
+            err = float(jnp.max(jnp.abs(fn(*operands).astype(jnp.float32) - expected)))
+            pct = percent_of_peak(flops, weight_bytes, sec)
             print(
-                f"| {name} | {impl} | {sec * 1e3:.3f} | {timer} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} "
+                f"| {name} | {impl} | {sec * 1e3:.3f} | {timer} | {flops / sec / 1e12:.1f} | {weight_bytes / sec / 1e9:.0f} "
                 f"| {pct:.1f} | {err:.2e} |"
             )
 

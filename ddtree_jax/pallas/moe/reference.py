@@ -8,6 +8,11 @@ output is sum_k w[t, k] * expert_{idx[t, k]}(x_t).
 right; the test oracle). The XLA path in `moe_experts_xla` does only the routed
 work: a weight gather when few (token, expert) pairs are live (decode), a
 sort + `jax.lax.ragged_dot` grouped GEMM otherwise (prefill, tree verify).
+
+INT4 experts (`quant.QuantizedArray`) are dequantized to x's dtype where they are
+used: the reference dequantizes all of them; the XLA path only the gathered
+experts (decode) or `INT4_EXPERT_CHUNK` experts at a time (grouped GEMM), never
+the whole expert stack at once.
 """
 
 from __future__ import annotations
@@ -16,9 +21,16 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.layers import einsum
+from ddtree_jax.quant import QuantizedArray
 
 GATHER_MAX_PAIRS_PER_EXPERT = 1
 """Use the weight gather when T * K <= this * E: it then streams no more weight than a dense pass."""
+INT4_EXPERT_CHUNK = 8
+"""INT4 experts the grouped XLA path dequantizes at a time."""
+
+
+def _dense(a, dtype):
+    return a.dequantize(dtype) if isinstance(a, QuantizedArray) else a
 
 
 def _combine_weights(idx: jax.Array, w: jax.Array, num_experts: int) -> jax.Array:
@@ -29,6 +41,7 @@ def _combine_weights(idx: jax.Array, w: jax.Array, num_experts: int) -> jax.Arra
 def moe_experts_reference(x, idx, w, gate, up, down):
     """x [T, H], idx [T, K] int, w [T, K] f32, gate/up [E, H, I], down [E, I, H] -> [T, H]."""
     f32 = jnp.float32
+    gate, up, down = (_dense(a, x.dtype) for a in (gate, up, down))
     h_gate = einsum("th,ehi->eti", x, gate).astype(x.dtype)
     h_up = einsum("th,ehi->eti", x, up).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
@@ -39,9 +52,16 @@ def moe_experts_reference(x, idx, w, gate, up, down):
     return jnp.einsum("te,eth->th", comb, y.astype(f32)).astype(x.dtype)
 
 
+def _take(a, idx, dtype):
+    """a[idx] of an expert stack; INT4 experts are gathered packed, then dequantized."""
+    if isinstance(a, QuantizedArray):
+        return QuantizedArray(packed=a.packed[idx], scale=a.scale[idx]).dequantize(dtype)
+    return a[idx]
+
+
 def _moe_gather(x, idx, w, gate, up, down):
     f32 = jnp.float32
-    g, u, d = gate[idx], up[idx], down[idx]  # [T, K, H, I], [T, K, I, H]
+    g, u, d = (_take(a, idx, x.dtype) for a in (gate, up, down))  # [T, K, H, I], [T, K, I, H]
     h_gate = einsum("th,tkhi->tki", x, g).astype(x.dtype)
     h_up = einsum("th,tkhi->tki", x, u).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
@@ -66,9 +86,51 @@ def _moe_ragged(x, idx, w, gate, up, down):
     return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
 
 
+def _moe_ragged_int4(x, idx, w, gate, up, down):
+    """The grouped GEMM over INT4 experts, INT4_EXPERT_CHUNK of them dequantized at a time.
+
+    The (token, expert) pairs are sorted by expert; each chunk's pairs are a contiguous
+    run, rolled to the front so that `ragged_dot` sees them as its first groups.
+    """
+    f32 = jnp.float32
+    t, k = idx.shape
+    e = gate.shape[0]
+    c = min(INT4_EXPERT_CHUNK, e)
+    n_chunks = -(-e // c)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]  # [T*K, H], grouped by expert
+    sizes = jnp.bincount(flat, length=n_chunks * c).astype(jnp.int32).reshape(n_chunks, c)
+    starts = jnp.cumsum(jnp.sum(sizes, axis=1)) - jnp.sum(sizes, axis=1)
+
+    def pad(a):  # the expert axis to n_chunks * c (padding experts get no pairs)
+        extra = n_chunks * c - e
+        return jax.tree.map(lambda v: jnp.pad(v, [(0, extra)] + [(0, 0)] * (v.ndim - 1)), a)
+
+    gate, up, down = pad(gate), pad(up), pad(down)
+
+    def chunk(ys, j):
+        def part(a):
+            return jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, j * c, c), a).dequantize(x.dtype)
+
+        rolled = jnp.roll(xs, -starts[j], axis=0)
+        h_gate = jax.lax.ragged_dot(rolled, part(gate), sizes[j], preferred_element_type=f32).astype(x.dtype)
+        h_up = jax.lax.ragged_dot(rolled, part(up), sizes[j], preferred_element_type=f32).astype(x.dtype)
+        act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
+        out = jax.lax.ragged_dot(act, part(down), sizes[j], preferred_element_type=f32).astype(x.dtype)
+        rows = jnp.arange(out.shape[0]) < jnp.sum(sizes[j])
+        return ys + jnp.roll(jnp.where(rows[:, None], out, 0), starts[j], axis=0), None
+
+    ys, _ = jax.lax.scan(chunk, jnp.zeros((t * k, x.shape[1]), x.dtype), jnp.arange(n_chunks))
+    y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(ys).reshape(t, k, -1)
+    return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
+
+
 def moe_experts_xla(x, idx, w, gate, up, down):
     """Same result as the reference, doing only the routed work."""
     t, k = idx.shape
     if t * k <= GATHER_MAX_PAIRS_PER_EXPERT * gate.shape[0]:
         return _moe_gather(x, idx, w, gate, up, down)
+    if isinstance(gate, QuantizedArray):
+        return _moe_ragged_int4(x, idx, w, gate, up, down)
     return _moe_ragged(x, idx, w, gate, up, down)

@@ -1,0 +1,229 @@
+"""INT4 routed experts (compressed-tensors pack-quantized, as Kimi-K2-Thinking / K2.5 ship them)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import ddtree_jax as dj
+from ddtree_jax import checkpoint, compressed, model, quant
+from ddtree_jax.config import ConfigError
+from ddtree_jax.hf import CheckpointError
+from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_experts_xla
+from tests.conftest import HERE, hf_python, random_target, rewrite, same, tiny
+
+PROMPTS = [[5, 17, 33, 2, 9], [250, 1]]
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    return model.quantize_experts(random_target(tiny(), seed=21))
+
+
+def _dequantized(q):
+    """The same model with its INT4 experts expanded to float32 (an unquantized config)."""
+    import dataclasses
+
+    mlp = q.moe_layers.mlp
+    dense = mlp.replace(**{n: getattr(mlp, n).dequantize(jnp.float32) for n in ("gate", "up", "down")})
+    cfg = dataclasses.replace(q.config, expert_int4_group_size=None)
+    return q.replace(config=cfg, moe_layers=q.moe_layers.replace(mlp=dense))
+
+
+def test_quantized_checkpoint_round_trips_and_says_so(quantized, tmp_path):
+    checkpoint.save_hf(quantized, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    stored = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.up_proj"
+    h, i = quantized.config.hidden_size, quantized.config.moe_intermediate_size
+    assert stored[name + ".weight_packed"].shape == (i, h // 8) and stored[name + ".weight_packed"].dtype == np.int32
+    assert stored[name + ".weight_scale"].shape == (i, h // 32)
+    assert stored[name + ".weight_shape"].tolist() == [i, h]
+    assert "model.layers.1.self_attn.o_proj.weight" in stored  # attention stays dense
+    back = checkpoint.load_target(tmp_path)
+    assert isinstance(back.moe_layers.mlp.gate, quant.QuantizedArray)
+    assert same(back, quantized)
+
+
+def test_int4_logits_are_those_of_the_dequantized_model(quantized):
+    """Exact numerics: the INT4 model is its dequantized dense model, token for token and bit for bit."""
+    dense = _dequantized(quantized)
+    kw = dict(max_new_tokens=16, stop_token_ids=())
+    assert dj.generate(quantized, PROMPTS, **kw).to_lists() == dj.generate(dense, PROMPTS, **kw).to_lists()
+    # The XLA paths (gather for decode, chunked grouped GEMM for many tokens) match the reference.
+    g, u, d = (jax.tree.map(lambda a: a[0], getattr(quantized.moe_layers.mlp, n)) for n in ("gate", "up", "down"))
+    rng = np.random.default_rng(0)
+    e, k = quantized.config.n_routed_experts, quantized.config.num_experts_per_tok
+    for t in (1, 9):
+        x = jnp.asarray(rng.normal(size=(t, quantized.config.hidden_size)), jnp.float32)
+        idx = jnp.asarray(np.argsort(rng.uniform(size=(t, e)), axis=1)[:, :k], jnp.int32)
+        w = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+        want = moe_experts_reference(x, idx, w, g, u, d)
+        np.testing.assert_allclose(moe_experts_xla(x, idx, w, g, u, d), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_greedy_ddtree_equals_quantized_ar(quantized):
+    """With a partly wrong drafter (so trees are partly rejected), in both numerics."""
+    kw = dict(max_new_tokens=20, stop_token_ids=())
+    for numerics in ("exact", "fast"):
+        oracle = dj.OracleDrafter(block_size=4, confidence=3.0, noise=2.0)
+        tree = dj.generate(quantized, oracle, PROMPTS, method="ddtree", tree_budget=8, numerics=numerics, **kw)
+        assert tree.to_lists() == dj.generate(quantized, PROMPTS, numerics=numerics, **kw).to_lists()
+        assert 1 < tree.tau < 4  # some drafts accepted, some not
+    with pytest.raises(NotImplementedError, match="INT4 experts run with implementation='xla'"):
+        dj.generate(quantized, PROMPTS, implementation="pallas", **kw)
+
+
+def test_our_packing_is_compressed_tensors(quantized, tmp_path):
+    """compressed-tensors (HF environment) decompresses our files to our dequantized weights
+    (in its bf16 scale dtype), and packs our weights with our scales into our words, bit for bit."""
+    py = hf_python()
+    if py is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs the HF reference environment: run `make venv-hf`")
+        pytest.skip("HF reference environment missing: `make venv-hf` creates .venv-hf")
+    checkpoint.save_hf(quantized, tmp_path / "q")
+    stored = safetensors.numpy.load_file(tmp_path / "q" / "model.safetensors")
+    mlp, first = quantized.moe_layers.mlp, quantized.config.num_dense_layers
+    dense = {}
+    for name in (k for k in stored if k.endswith(".weight_packed")):
+        base = name.removesuffix(".weight_packed")
+        parts = base.split(".")  # model.layers.L.mlp.experts.E.gate_proj
+        layer, expert, kind = int(parts[2]) - first, int(parts[5]), parts[6].removesuffix("_proj")
+        w = jax.tree.map(lambda a, layer=layer, expert=expert: a[layer, expert], getattr(mlp, kind))
+        dense[base + ".weight"] = np.asarray(w.dequantize(jnp.float32)).T.copy()
+    np.savez(tmp_path / "dense.npz", **dense)
+    out = tmp_path / "ct.npz"
+    proc = subprocess.run(
+        [
+            py,
+            os.path.join(HERE, "ct_reference.py"),
+            str(tmp_path / "q" / "model.safetensors"),
+            str(tmp_path / "dense.npz"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = np.load(out)
+    assert len(dense) == 3 * quantized.config.n_routed_experts * quantized.config.num_moe_layers
+    for name, ours in dense.items():
+        bf16 = ours.astype(jnp.bfloat16).astype(np.float32)  # compressed-tensors dequantizes into the scale dtype
+        np.testing.assert_array_equal(ref[name], bf16, err_msg=name)
+        packed = name.removesuffix(".weight") + ".weight_packed"
+        np.testing.assert_array_equal(ref[packed], stored[packed], err_msg=packed)
+
+
+def test_the_quantize_command_writes_what_load_target_reads(tmp_path):
+    src = random_target(tiny(), seed=5)
+    checkpoint.save_hf(src, tmp_path / "src")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddtree_jax", "quantize", str(tmp_path / "src"), str(tmp_path / "dst")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and "as INT4 (group size 32)" in proc.stdout, proc.stderr[-2000:]
+    assert same(checkpoint.load_target(tmp_path / "dst"), model.quantize_experts(src))
+    again = subprocess.run(
+        [sys.executable, "-m", "ddtree_jax", "quantize", str(tmp_path / "dst"), str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        again.returncode == 1 and again.stderr.strip() == "error: the routed experts are INT4 already (group size 32)"
+    )
+
+
+def test_kimi_k25_layout_loads_and_skips_vision_weights(quantized, tmp_path):
+    """K2.5 wraps the text model: `text_config`, `language_model.` names, vision tensors beside them."""
+    checkpoint.save_hf(quantized, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        text = json.load(f)
+    qc = text.pop("quantization_config")
+    wrapper = {"model_type": "kimi_k25", "text_config": text, "quantization_config": qc, "vision_config": {}}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(wrapper, f)
+
+    def wrap(t):
+        for k in list(t):
+            t["language_model." + k] = t.pop(k)
+        t["vision_tower.blocks.0.attn.qkv.weight"] = np.zeros((6, 4), np.float32)
+        t["mm_projector.proj.0.weight"] = np.zeros((4, 4), np.float32)
+
+    rewrite(tmp_path, wrap)
+    with pytest.warns(UserWarning, match="skipped 2 vision tensors"):
+        back = checkpoint.load_target(tmp_path)
+    assert same(back, quantized)
+
+
+def test_full_size_int4_kimi_k2_is_about_the_size_moonshot_ships():
+    """About 0.6 TB: INT4 routed experts (with bf16 group scales), everything else bf16."""
+    import dataclasses
+
+    cfg = dataclasses.replace(dj.KIMI_K2, expert_int4_group_size=32)
+    shapes = model.abstract_params(cfg)
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    assert 0.55e12 < nbytes < 0.65e12, nbytes
+    assert shapes.moe_layers.mlp.gate.packed.shape == (60, 384, 7168 // 8, 2048)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda qc: qc.update(quant_method="fp8"), r"quantization_config\.quant_method='fp8' is not supported"),
+        (lambda qc: qc.update(format="int-quantized"), r"quantization_config\.format='int-quantized'"),
+        (
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=128),
+            r"config_groups\.group_0\.weights\.group_size=128 is not supported",
+        ),
+        (
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8),
+            r"weights\.num_bits=8 is not supported",
+        ),
+        (
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(symmetric=False),
+            r"weights\.symmetric=False",
+        ),
+        (
+            lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
+            r"input_activations must be null",
+        ),
+        (lambda qc: qc["config_groups"].update(group_1={}), "exactly one scheme"),
+    ],
+)
+def test_unsupported_quantization_configs_name_the_field(edit, message):
+    qc = compressed.quantization_config(32)
+    edit(qc)
+    with pytest.raises(ConfigError, match=message):
+        compressed.expert_group_size({"quantization_config": qc})
+
+
+def test_bad_quantized_tensors_are_named(quantized, tmp_path):
+    checkpoint.save_hf(quantized, tmp_path)
+    name = "model.layers.1.mlp.experts.2.down_proj"
+    rewrite(tmp_path, lambda t: t.update({name + ".weight_packed": t[name + ".weight_packed"][:, :-1].copy()}))
+    with pytest.raises(CheckpointError, match=rf"'{name}\.weight_packed' .* has shape"):
+        checkpoint.load_target(tmp_path)
+    checkpoint.save_hf(quantized, tmp_path)
+    rewrite(tmp_path, lambda t: t.update({name + ".weight_shape": np.asarray([1, 2], np.int64)}))
+    with pytest.raises(CheckpointError, match=rf"{name}\.weight_shape is \[1, 2\]"):
+        checkpoint.load_target(tmp_path)
+    checkpoint.save_hf(quantized, tmp_path)
+    attn = "model.layers.0.self_attn.o_proj"
+    rewrite(tmp_path, lambda t: t.update({attn + ".weight_packed": np.zeros((4, 4), np.int32)}))
+    with pytest.raises(CheckpointError, match=rf"'{attn}\.weight_packed' is pack-quantized, but only routed experts"):
+        checkpoint.load_target(tmp_path)
+    dense = random_target(tiny(), seed=1)
+    checkpoint.save_hf(dense, tmp_path / "d")
+    rewrite(tmp_path / "d", lambda t: t.update({name + ".weight_packed": np.zeros((4, 4), np.int32)}))
+    with pytest.raises(CheckpointError, match="is pack-quantized, but only routed experts may be"):
+        checkpoint.load_target(tmp_path / "d")
