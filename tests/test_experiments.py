@@ -231,3 +231,24 @@ def test_loop_ops_counts_the_decode_loop_body(tmp_path):
         with open(os.path.join(REPO, "checkpoints", part, "config.json")) as f:
             layers += json.load(f)["num_hidden_layers"]
     assert summary["slices"] > 2 * layers
+
+
+def test_k2_memory_plan_compiles_a_full_width_slice_for_8_devices(tmp_path):
+    """Two full-width Kimi-K2 layers (INT4 experts) compiled for a (1, 8) mesh from abstract params:
+    per-device weights are 1/8 of the slice's experts and heads, plus the replicated rest."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = tmp_path / "plan.json"
+    args = ("--layers", "2", "--contexts", "8192", "--batches", "1", "--experts", "int4", "--out", str(out))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "experiments", "k2_memory_plan.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    # 1 dense + 1 MoE layer: the MoE layer's 384 INT4 experts are 2.3 GB, 48 of them per device;
+    # the vocabulary-split embedding and lm_head 0.29 GB each per device.
+    assert 1.5 < row["weights_gb"] < 2.5, row
+    # The verify forward's arguments: every weight but lm_head (it returns hidden states), plus the cache.
+    assert 0.7 * row["weights_gb"] < row["arguments_gb"] < row["weights_gb"] + 0.2 and row["temp_gb"] > 0, row
