@@ -67,9 +67,11 @@ def verify(
 
 def target_choices(
     target: TargetParams, hidden: jax.Array, key: jax.Array, sampling: SamplingConfig, numerics: str | None = None
-) -> jax.Array:
-    """The target's token at every slot [B, N]: argmax, or an independent sample per slot."""
-    return choose(logits(target, hidden, numerics=numerics), key, sampling)
+) -> tuple[jax.Array, jax.Array]:
+    """The target's token at every slot [B, N] (argmax, or an independent sample per slot),
+    and whether that slot's logits were all finite [B, N]."""
+    slot_logits = logits(target, hidden, numerics=numerics)  # [B, N, V]
+    return choose(slot_logits, key, sampling), jnp.all(jnp.isfinite(slot_logits), axis=-1)
 
 
 def accept(tree: trees.DraftTree, choices: jax.Array) -> Acceptance:
@@ -192,8 +194,8 @@ def step(
         tree = build_tree(method, draft_logits, roots, budget)
     taps = drafter.tap_layers if drafter is not None else ()
     out = verify(target, cache, tree, tap_layers=taps, implementation=implementation, numerics=numerics)
-    slot_logits = logits(target, out.hidden, numerics=numerics)  # [B, N, V]
-    acc = accept(tree, choose(slot_logits, choice_key, sampling))
+    choices, finite = target_choices(target, out.hidden, choice_key, sampling, numerics)
+    acc = accept(tree, choices)
     if drafter is not None:
         j = jnp.arange(acc.path.shape[1])[None, :]
         valid = (j < acc.length[:, None]) & active[:, None]
@@ -203,7 +205,7 @@ def step(
         tokens=path_tokens(tree, acc),
         length=acc.length,
         bonus=acc.bonus,
-        first_nonfinite=first_nonfinite(jnp.all(jnp.isfinite(slot_logits), axis=-1), acc.path),
+        first_nonfinite=first_nonfinite(finite, acc.path),
         draft_nonfinite=draft_nonfinite,
     )
     return commit(cache, out.kv, acc, active), draft_state, result

@@ -8,6 +8,7 @@ names the file and the tensor.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -81,6 +82,7 @@ class Reader:
                     key = key.removeprefix(prefix)
                 self.where[key] = (file, raw)
         self.used: set[str] = set()
+        self._last: tuple | None = None
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -90,7 +92,20 @@ class Reader:
         return tuple(self._files[file].get_slice(raw).get_shape())
 
     def get(self, name: str, shape: tuple[int, ...], dtype=None) -> np.ndarray:
-        """The tensor `name`, checked against `shape`, in `dtype` (default: the reader's, else as stored)."""
+        """The tensor `name`, checked against `shape`, in `dtype` (default: the reader's, else as stored).
+
+        The last tensor returned is kept: asking for it again (kv_b_proj holds two of our
+        weights; device shards of one tensor) neither re-reads nor re-checks it.
+        """
+        dtype = dtype or self.dtype
+        key = (name, tuple(shape), dtype)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        a = self._read(name, shape, dtype)
+        self._last = (key, a)
+        return a
+
+    def _read(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         if name not in self.where:
             raise CheckpointError(f"missing weight {name!r} (expected shape {tuple(shape)}) in {self.path}")
         file, raw = self.where[name]
@@ -103,7 +118,6 @@ class Reader:
             raise CheckpointError(f"weight {name!r} in {file} cannot be read ({e})") from None
         if self.check_finite and (bad := nonfinite_message(a, f"weight {name!r} in {file}")):
             raise CheckpointError(f"{bad}; pass check_finite=False to load it anyway")
-        dtype = dtype or self.dtype
         if dtype is None or a.dtype == dtype:
             return a
         with np.errstate(over="ignore"):
@@ -150,90 +164,80 @@ def _quantized_names(name: str) -> tuple[str, str, str]:
     return f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_shape"
 
 
-def _read_int4(reader: Reader, w: Weight) -> QuantizedArray:
-    """A compressed-tensors pack-quantized weight: HF [out, in / 8] / [out, in / G] -> ours transposed."""
-    h = w.hf[0]
-    per_layer = []
-    for layer in w.layers if w.layers is not None else (None,):
-        entries = [_int4_entry(reader, w, name) for name in _names(h, layer, _experts(w))]
-        expert = "{expert}" in h.name
-        per_layer.append(tuple(np.stack([e[i] for e in entries]) if expert else entries[0][i] for i in range(2)))
-    if w.layers is not None:
-        packed, scale = (np.stack([layer[i] for layer in per_layer]) for i in range(2))
-    else:
-        packed, scale = per_layer[0]
-    return QuantizedArray(packed=packed, scale=scale)
+def _blocks(reader: Reader, w: Weight, dtype) -> Callable[[int, tuple[int, ...], tuple[slice, ...]], np.ndarray]:
+    """block(part, shape, index): the numpy block `index` of stored array `part` of `w` (0: the
+    weight, or an INT4 weight's packed words; 1: its scales), whose full shape is `shape`.
 
-
-def _read(reader: Reader, w: Weight, dtype) -> np.ndarray | QuantizedArray:
-    if w.quant is not None:
-        return _read_int4(reader, w)
-    dtype = np.dtype(w.dtype_for(dtype))
-    per_layer = []
-    for layer in w.layers if w.layers is not None else (None,):
-        layouts = [h for h in w.hf if reader.has(_names(h, layer, _experts(w))[0])] or list(w.hf[:1])
-        h = layouts[0]
-        parts = [h.to_ours(reader.get(n, h.shape, dtype)) for n in _names(h, layer, _experts(w))]
-        per_layer.append(np.stack(parts) if "{expert}" in h.name else parts[0])
-    a = np.stack(per_layer) if w.layers is not None else per_layer[0]
-    if a.shape != w.shape:
-        raise AssertionError(f"declaration maps {w.hf[0].name} to shape {a.shape}, not {w.shape}")
-    return np.asarray(a, dtype)
-
-
-def _read_sharded(reader: Reader, w: Weight, dtype, sharding):
-    """One weight placed straight onto `sharding`: each device's callback reads the HF
-    tensors of the layers / experts it owns, one at a time, and keeps only its slice."""
+    Reads the HF tensors of the layers / experts the block covers, one at a time (the
+    reader keeps only the last). Each layer is read from whichever of the weight's layouts
+    the checkpoint holds for it.
+    """
     stacked, experts = w.layers is not None, _experts(w)
-    layer0 = w.layers[0] if stacked else None
-    h = next((h for h in w.hf if reader.has(_names(h, layer0, experts)[0])), w.hf[0])
-    per_expert = "{expert}" in h.name
     dtype = np.dtype(w.dtype_for(dtype))
-    last: dict = {}  # the one HF tensor held: consecutive slices of it are not re-read
+    layouts: dict = {}
 
-    def entry(k, e):  # ours, for stack entry k and expert e
-        if (k, e) not in last:
-            last.clear()
-            name = h.name.format(layer=w.layers[k] if stacked else None, expert=e)
-            if w.quant is None:
-                last[(k, e)] = (np.asarray(h.to_ours(reader.get(name, h.shape, dtype)), dtype),)
+    def layout(k) -> HFTensor:
+        if k not in layouts:
+            layer = w.layers[k] if stacked else None
+            layouts[k] = next((h for h in w.hf if reader.has(_names(h, layer, experts)[0])), w.hf[0])
+        return layouts[k]
+
+    def tensor(part: int, k, e) -> np.ndarray:  # ours, one layer (and one expert, per-expert layouts)
+        h = layout(k)
+        name = h.name.format(layer=w.layers[k] if stacked else None, expert=e)
+        if w.quant is None:
+            return np.asarray(h.to_ours(reader.get(name, h.shape, dtype)), dtype)
+        return _int4_part(reader, w, name, part)
+
+    def block(part: int, shape: tuple[int, ...], index) -> np.ndarray:
+        index = tuple(index)
+        axis = 1 if stacked else 0  # the expert axis, after the layer axis
+        rows = []
+        for k in range(*index[0].indices(shape[0])) if stacked else [None]:
+            if "{expert}" in layout(k).name:
+                es = range(*index[axis].indices(shape[axis]))
+                rows.append(np.stack([tensor(part, k, e)[index[axis + 1 :]] for e in es]))
             else:
-                last[(k, e)] = _int4_entry(reader, w, name)
-        return last[(k, e)]
+                rows.append(tensor(part, k, None)[index[axis:]])
+        return np.stack(rows) if stacked else rows[0]
 
-    def array(part: int, shape: tuple[int, ...], part_sharding):
-        def callback(index):
-            index = tuple(index)
-            ks = range(*index[0].indices(shape[0])) if stacked else [None]
-            axis = 1 if stacked else 0
-            es = range(*index[axis].indices(shape[axis])) if per_expert else [None]
-            rest = index[axis + (1 if per_expert else 0) :]
-            rows = []
-            for k in ks:
-                row = [entry(k, e)[part][rest] for e in es]
-                rows.append(np.stack(row) if per_expert else row[0])
-            return np.stack(rows) if stacked else rows[0]
-
-        return jax.make_array_from_callback(shape, part_sharding, callback)
-
-    if w.quant is None:
-        return array(0, w.shape, sharding)
-    stored = w.quant.stored(w.shape)
-    return QuantizedArray(
-        packed=array(0, stored.packed.shape, sharding.packed), scale=array(1, stored.scale.shape, sharding.scale)
-    )
+    return block
 
 
-def _int4_entry(reader: Reader, w: Weight, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(packed [in / 8, out], scale [in / G, out]) of one quantized Linear named `name`."""
+def _int4_part(reader: Reader, w: Weight, name: str, part: int) -> np.ndarray:
+    """Packed words [in / 8, out] (part 0, after checking weight_shape) or scales [in / G, out]
+    (part 1) of one pack-quantized Linear named `name` (HF stores both transposed)."""
     fan_out, fan_in = w.hf[0].shape
     p_name, s_name, shape_name = _quantized_names(name)
+    if part == 1:
+        scale_shape = (fan_out, fan_in // w.quant.group_size)
+        return np.ascontiguousarray(transpose(reader.get(s_name, scale_shape, np.dtype(w.quant.scale_dtype))))
     stored = reader.get(shape_name, (2,), np.int64)
     if tuple(int(v) for v in stored) != (fan_out, fan_in):
         raise CheckpointError(f"{shape_name} is {stored.tolist()}, expected [{fan_out}, {fan_in}]")
-    packed = transpose(reader.get(p_name, (fan_out, fan_in // PACK), np.int32))
-    scale = transpose(reader.get(s_name, (fan_out, fan_in // w.quant.group_size), np.dtype(w.quant.scale_dtype)))
-    return np.ascontiguousarray(packed), np.ascontiguousarray(scale)
+    return np.ascontiguousarray(transpose(reader.get(p_name, (fan_out, fan_in // PACK), np.int32)))
+
+
+def _read(reader: Reader, w: Weight, dtype, sharding=None):
+    """One weight: numpy array(s) on the host, or, with `sharding`, jax arrays whose every
+    device shard is read straight from the checkpoint."""
+    block = _blocks(reader, w, dtype)
+
+    def build(part, shape, where):
+        if where is None:
+            return block(part, shape, (slice(None),) * len(shape))
+        return jax.make_array_from_callback(shape, where, functools.partial(block, part, shape))
+
+    if w.quant is None:
+        a = build(0, w.shape, sharding)
+        if a.shape != w.shape:
+            raise AssertionError(f"declaration maps {w.hf[0].name} to shape {a.shape}, not {w.shape}")
+        return a
+    stored = w.quant.stored(w.shape)
+    return QuantizedArray(
+        packed=build(0, stored.packed.shape, None if sharding is None else sharding.packed),
+        scale=build(1, stored.scale.shape, None if sharding is None else sharding.scale),
+    )
 
 
 def load_weights(reader: Reader, decl, dtype):
@@ -245,7 +249,7 @@ def hf_tensors(decl, params, layout: str = "default") -> Iterator[tuple[str, np.
     """(HF name, array) of every tensor of `params`, in `layout` where a weight has several."""
     pieces: dict[str, list[tuple[HFTensor, np.ndarray]]] = {}
     weights = jax.tree.leaves(decl, is_leaf=is_weight)
-    arrays = jax.tree.leaves(jax.tree.map(lambda w, a: [a], decl, params, is_leaf=is_weight), is_leaf=is_list)
+    arrays = jax.tree.leaves(jax.tree.map(lambda w, a: [a], decl, params, is_leaf=is_weight), is_leaf=_is_list)
     for w, (a,) in zip(weights, arrays, strict=True):
         h = next((h for h in w.hf if h.layout == layout), w.hf[0])
         if w.quant is not None:
@@ -328,7 +332,7 @@ def load_declared(
         from ddtree_jax import sharding, weights
 
         placement = sharding.shardings(weights.abstract(decl, dtype), weights.axes(decl), mesh, rules)
-        params = jax.tree.map(lambda w, s: _read_sharded(reader, w, dtype, s), decl, placement, is_leaf=is_weight)
+        params = jax.tree.map(lambda w, s: _read(reader, w, dtype, s), decl, placement, is_leaf=is_weight)
     pattern = skip(cfg)
     reader.check_all_used(None if pattern is None else re.compile(pattern))
     return (params, reader) if return_reader else params
@@ -348,7 +352,7 @@ def _int4_tensors(w: Weight, q: QuantizedArray) -> Iterator[tuple[str, np.ndarra
             yield shape_name, np.asarray(h.shape, np.int64)
 
 
-def is_list(x) -> bool:
+def _is_list(x) -> bool:
     return isinstance(x, list)
 
 

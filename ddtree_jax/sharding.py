@@ -63,16 +63,6 @@ def logical_axes(params):
     return weights.axes(_declaration(params))
 
 
-def target_logical_axes(params):
-    """Logical axes of the target's weights (see `logical_axes`)."""
-    return logical_axes(params)
-
-
-def drafter_logical_axes(params):
-    """Logical axes of a DFlash drafter's weights (see `logical_axes`)."""
-    return logical_axes(params)
-
-
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: dict | None = None):
     """`jax.set_mesh(mesh)`, with `rules` (default RULES) for the kernels' `shard_map` specs.
@@ -168,14 +158,9 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, r
     return PartitionSpec(*out)
 
 
-def shardings(params, logical_axes, mesh: Mesh, rules=None):
-    """NamedShardings for every leaf of `params` from its logical axes."""
-    return jax.tree.map(
-        lambda a, axes: NamedSharding(mesh, spec_for(axes, a.shape, mesh, rules)),
-        params,
-        logical_axes,
-        is_leaf=_is_axes,
-    )
+def shardings(params, axes, mesh: Mesh, rules=None):
+    """NamedShardings for every leaf of `params` from its logical axes `axes` (`logical_axes`)."""
+    return jax.tree.map(lambda a, ax: NamedSharding(mesh, spec_for(ax, a.shape, mesh, rules)), params, axes)
 
 
 def shard_target(params, mesh: Mesh, rules=None):

@@ -114,7 +114,7 @@ def main():
 
         def ar_step(cache, roots):
             out = decode.verify(target, cache, decode.build_tree("ar", None, roots, 0))
-            return decode.target_choices(target, out.hidden, key, greedy)
+            return decode.target_choices(target, out.hidden, key, greedy)[0]
 
         t_ar = per_call(ar_step, (cache, roots), args.reps)
         loop_prompts = np.asarray(prompt)
@@ -130,7 +130,7 @@ def main():
 
             def verify(cache, tree):
                 out = decode.verify(target, cache, tree, tap_layers=d.tap_layers)
-                return decode.target_choices(target, out.hidden, key, greedy), out
+                return decode.target_choices(target, out.hidden, key, greedy)[0], out
 
             t_verify = per_call(lambda c, t: verify(c, t)[0], (cache, tree), args.reps)
             choices, out = jax.jit(verify)(cache, tree)

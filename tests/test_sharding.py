@@ -141,7 +141,7 @@ def test_logical_axes_cover_every_weight_of_the_full_size_models():
     mesh = type("FakeMesh", (), {"shape": {"data": 1, "model": 8}})()
     for cfg in (config.KIMI_K2, config.DEEPSEEK_V3, tiny(q_lora_rank=None, tie_word_embeddings=True)):
         shapes = model.abstract_params(cfg)
-        axes = sharding.target_logical_axes(shapes)
+        axes = sharding.logical_axes(shapes)
         specs = jax.tree.map(lambda a, ax: sharding.spec_for(ax, a.shape, mesh), shapes, axes)
         if cfg is config.KIMI_K2:
             # 384 experts and 64 heads split 8 ways; the latent projection stays whole.
@@ -167,7 +167,7 @@ def test_drafter_axes_fit():
 
     dcfg = dflash.drafter_config_for(config.KIMI_K2, num_hidden_layers=3)
     shapes = dflash.abstract_params(dcfg)
-    axes = sharding.drafter_logical_axes(shapes)
+    axes = sharding.logical_axes(shapes)
     assert axes.layers.q == ("layers", "embed", "heads", None)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import glob
 import statistics
 import tempfile
-import time
 
 import jax
+
+from ddtree_jax.evaluation import time_call
 
 PEAK_FLOPS = 797e12
 """Dense bf16 matmul rate measured on this project's H200 (jnp.dot of large bf16 matrices)."""
@@ -21,17 +22,6 @@ PEAK_BYTES = 3.3e12
 """Elementwise-copy bandwidth measured on the same machine (bytes read + written per s).
 A kernel that only streams weights in can exceed it (the HBM3e spec is 4.8 TB/s), so
 "% peak" above 100 means a read-only stream faster than that copy, not an error."""
-
-
-def wall_time(fn, args, reps: int) -> float:
-    """Median wall seconds of fn(*args) over `reps` calls, after one untimed (compiling) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _kernel_events(trace_dir: str) -> tuple[list[tuple[float, float]], list[str]]:
@@ -69,7 +59,7 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
     if not events or len(events) % reps:
         if jax.default_backend() == "gpu":
             print(f"device_time: {len(events)} kernels for {reps} calls; trace lines: {sorted(set(seen))[:20]}")
-        return wall_time(fn, args, reps), "wall"
+        return time_call(lambda: fn(*args), reps)[0], "wall"
     per_call = len(events) // reps
     sums = [sum(d for _, d in events[i * per_call : (i + 1) * per_call]) for i in range(reps)]
     return statistics.median(sums), "device"

@@ -69,21 +69,32 @@ def _moe_gather(x, idx, w, gate, up, down):
     return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
 
 
+def _sort_pairs(x, idx):
+    """The (token, expert) pairs sorted by expert: (order [T*K], x of each pair [T*K, H])."""
+    order = jnp.argsort(idx.reshape(-1), stable=True)
+    return order, x[order // idx.shape[1]]
+
+
+def _ragged_swiglu(xs, gate, up, down, sizes):
+    """down(silu(xs @ gate) * (xs @ up)) per group of consecutive rows: [M, H] -> [M, H] in xs' dtype."""
+    f32, dtype = jnp.float32, xs.dtype
+    h_gate = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=f32).astype(dtype)
+    h_up = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=f32).astype(dtype)
+    act = (jax.nn.silu(h_gate) * h_up).astype(dtype)
+    return jax.lax.ragged_dot(act, down, sizes, preferred_element_type=f32).astype(dtype)
+
+
+def _combine_sorted(ys, order, w):
+    """Pair outputs in sorted order [T*K, H] -> each token's routing-weighted sum [T, H]."""
+    t, k = w.shape
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
+    return jnp.einsum("tk,tkh->th", w, y.astype(jnp.float32)).astype(ys.dtype)
+
+
 def _moe_ragged(x, idx, w, gate, up, down):
-    f32 = jnp.float32
-    t, k = idx.shape
-    e = gate.shape[0]
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token_of = order // k
-    xs = x[token_of]  # [T*K, H], grouped by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    h_gate = jax.lax.ragged_dot(xs, gate, sizes, preferred_element_type=f32).astype(x.dtype)
-    h_up = jax.lax.ragged_dot(xs, up, sizes, preferred_element_type=f32).astype(x.dtype)
-    act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
-    ys = jax.lax.ragged_dot(act, down, sizes, preferred_element_type=f32).astype(x.dtype)
-    y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(ys).reshape(t, k, -1)
-    return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
+    order, xs = _sort_pairs(x, idx)
+    sizes = jnp.bincount(idx.reshape(-1), length=gate.shape[0]).astype(jnp.int32)
+    return _combine_sorted(_ragged_swiglu(xs, gate, up, down, sizes), order, w)
 
 
 def _moe_ragged_int4(x, idx, w, gate, up, down):
@@ -92,15 +103,11 @@ def _moe_ragged_int4(x, idx, w, gate, up, down):
     The (token, expert) pairs are sorted by expert; each chunk's pairs are a contiguous
     run, rolled to the front so that `ragged_dot` sees them as its first groups.
     """
-    f32 = jnp.float32
-    t, k = idx.shape
     e = gate.shape[0]
     c = min(INT4_EXPERT_CHUNK, e)
     n_chunks = -(-e // c)
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    xs = x[order // k]  # [T*K, H], grouped by expert
-    sizes = jnp.bincount(flat, length=n_chunks * c).astype(jnp.int32).reshape(n_chunks, c)
+    order, xs = _sort_pairs(x, idx)
+    sizes = jnp.bincount(idx.reshape(-1), length=n_chunks * c).astype(jnp.int32).reshape(n_chunks, c)
     starts = jnp.cumsum(jnp.sum(sizes, axis=1)) - jnp.sum(sizes, axis=1)
 
     def pad(a):  # the expert axis to n_chunks * c (padding experts get no pairs)
@@ -113,17 +120,12 @@ def _moe_ragged_int4(x, idx, w, gate, up, down):
         def part(a):
             return jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, j * c, c), a).dequantize(x.dtype)
 
-        rolled = jnp.roll(xs, -starts[j], axis=0)
-        h_gate = jax.lax.ragged_dot(rolled, part(gate), sizes[j], preferred_element_type=f32).astype(x.dtype)
-        h_up = jax.lax.ragged_dot(rolled, part(up), sizes[j], preferred_element_type=f32).astype(x.dtype)
-        act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
-        out = jax.lax.ragged_dot(act, part(down), sizes[j], preferred_element_type=f32).astype(x.dtype)
+        out = _ragged_swiglu(jnp.roll(xs, -starts[j], axis=0), part(gate), part(up), part(down), sizes[j])
         rows = jnp.arange(out.shape[0]) < jnp.sum(sizes[j])
         return ys + jnp.roll(jnp.where(rows[:, None], out, 0), starts[j], axis=0), None
 
-    ys, _ = jax.lax.scan(chunk, jnp.zeros((t * k, x.shape[1]), x.dtype), jnp.arange(n_chunks))
-    y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(ys).reshape(t, k, -1)
-    return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
+    ys, _ = jax.lax.scan(chunk, jnp.zeros_like(xs), jnp.arange(n_chunks))
+    return _combine_sorted(ys, order, w)
 
 
 def moe_experts_xla(x, idx, w, gate, up, down):
