@@ -21,6 +21,8 @@ $(VENV_HF)/.done:
 	@test -n "$(PY311)" || { echo "error: Python 3.11 not found (the CPU torch 2.13.0 wheel is for 3.11)"; exit 1; }
 	PYENV_VERSION=3.11.7 $(PY311) -m venv $(VENV_HF)
 	$(VENV_HF)/bin/pip install -q torch==2.13.0 transformers==5.17.0 safetensors numpy compressed-tensors==0.20.0
+	# z-lab's published DFlash model, the drafter parity reference; its pins (datasets, ...) are not needed.
+	$(VENV_HF)/bin/pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 venv: $(VENV)/.done

@@ -47,6 +47,7 @@ def verify(
     tree: trees.DraftTree,
     *,
     tap_layers: tuple[int, ...] = (),
+    tap_final_norm: bool = True,
     implementation: str = "xla",
     numerics: str | None = None,
 ) -> ForwardOutput:
@@ -59,6 +60,7 @@ def verify(
             cache,
             tree.visibility,
             tap_layers=tap_layers,
+            tap_final_norm=tap_final_norm,
             implementation=implementation,
             numerics=numerics,
             span=tree.max_depth + 1,
@@ -193,7 +195,10 @@ def step(
     with jax.named_scope("build_tree"):
         tree = build_tree(method, draft_logits, roots, budget)
     taps = drafter.tap_layers if drafter is not None else ()
-    out = verify(target, cache, tree, tap_layers=taps, implementation=implementation, numerics=numerics)
+    normed = drafter.tap_final_norm if drafter is not None else True
+    out = verify(
+        target, cache, tree, tap_layers=taps, tap_final_norm=normed, implementation=implementation, numerics=numerics
+    )
     choices, finite = target_choices(target, out.hidden, choice_key, sampling, numerics)
     acc = accept(tree, choices)
     if drafter is not None:

@@ -131,6 +131,7 @@ def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static):
         prompts,
         prompt_lengths,
         tap_layers=taps,
+        tap_final_norm=drafter.tap_final_norm if drafter is not None else True,
         implementation=st.implementation,
         numerics=st.numerics,
     )

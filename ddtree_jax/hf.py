@@ -8,7 +8,6 @@ names the file and the tensor.
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -24,7 +23,7 @@ from safetensors.numpy import save_file
 
 from ddtree_jax.checks import check_dtype, nonfinite_message, stored_dtype
 from ddtree_jax.quant import PACK, QuantizedArray
-from ddtree_jax.weights import HFTensor, Weight, is_weight, transpose
+from ddtree_jax.weights import HFTensor, Weight, identity, is_weight, transpose
 
 __all__ = ["INDEX_FILE", "CheckpointError", "Reader", "hf_tensors", "load_declared", "load_weights", "write"]
 
@@ -91,21 +90,23 @@ class Reader:
         file, raw = self.where[name]
         return tuple(self._files[file].get_slice(raw).get_shape())
 
-    def get(self, name: str, shape: tuple[int, ...], dtype=None) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...], dtype=None, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """The tensor `name`, checked against `shape`, in `dtype` (default: the reader's, else as stored).
 
-        The last tensor returned is kept: asking for it again (kv_b_proj holds two of our
-        weights; device shards of one tensor) neither re-reads nor re-checks it.
+        With `index` (one slice per axis) only that block is read from the file (safetensors'
+        lazy slicing). The last block returned is kept: asking for it again (kv_b_proj holds
+        two of our weights; device shards of one tensor) neither re-reads nor re-checks it.
         """
         dtype = dtype or self.dtype
-        key = (name, tuple(shape), dtype)
+        key = (name, tuple(shape), dtype, None if index is None else tuple((i.start, i.stop, i.step) for i in index))
         if self._last is not None and self._last[0] == key:
             return self._last[1]
-        a = self._read(name, shape, dtype)
+        self._last = None  # the previous block is released before the next one is read
+        a = self._read(name, shape, dtype, index)
         self._last = (key, a)
         return a
 
-    def _read(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    def _read(self, name: str, shape: tuple[int, ...], dtype, index) -> np.ndarray:
         if name not in self.where:
             raise CheckpointError(f"missing weight {name!r} (expected shape {tuple(shape)}) in {self.path}")
         file, raw = self.where[name]
@@ -113,7 +114,8 @@ class Reader:
             raise CheckpointError(f"weight {name!r} in {file} has shape {self.shape(name)}, expected {tuple(shape)}")
         self.used.add(name)
         try:
-            a = self._files[file].get_tensor(raw)
+            handle = self._files[file]
+            a = handle.get_tensor(raw) if index is None else handle.get_slice(raw)[index]
         except (SafetensorError, OSError, TypeError, ValueError) as e:
             raise CheckpointError(f"weight {name!r} in {file} cannot be read ({e})") from None
         if self.check_finite and (bad := nonfinite_message(a, f"weight {name!r} in {file}")):
@@ -182,12 +184,17 @@ def _blocks(reader: Reader, w: Weight, dtype) -> Callable[[int, tuple[int, ...],
             layouts[k] = next((h for h in w.hf if reader.has(_names(h, layer, experts)[0])), w.hf[0])
         return layouts[k]
 
-    def tensor(part: int, k, e) -> np.ndarray:  # ours, one layer (and one expert, per-expert layouts)
+    def tensor(part: int, k, e, index) -> np.ndarray:  # block `index` of ours, one layer (and expert)
         h = layout(k)
         name = h.name.format(layer=w.layers[k] if stacked else None, expert=e)
-        if w.quant is None:
-            return np.asarray(h.to_ours(reader.get(name, h.shape, dtype)), dtype)
-        return _int4_part(reader, w, name, part)
+        if w.quant is not None:
+            return _int4_part(reader, w, name, part)[index]
+        if h.to_ours is identity or (h.to_ours is transpose and len(h.shape) == 2):
+            # Plain layouts map a block of ours to one block of the HF tensor: read only it.
+            index = (*index, *(slice(None),) * (len(h.shape) - len(index)))
+            hf_index = index if h.to_ours is identity else index[::-1]
+            return np.asarray(h.to_ours(reader.get(name, h.shape, dtype, hf_index)), dtype)
+        return np.asarray(h.to_ours(reader.get(name, h.shape, dtype)), dtype)[index]
 
     def block(part: int, shape: tuple[int, ...], index) -> np.ndarray:
         index = tuple(index)
@@ -196,9 +203,9 @@ def _blocks(reader: Reader, w: Weight, dtype) -> Callable[[int, tuple[int, ...],
         for k in range(*index[0].indices(shape[0])) if stacked else [None]:
             if "{expert}" in layout(k).name:
                 es = range(*index[axis].indices(shape[axis]))
-                rows.append(np.stack([tensor(part, k, e)[index[axis + 1 :]] for e in es]))
+                rows.append(np.stack([tensor(part, k, e, index[axis + 1 :]) for e in es]))
             else:
-                rows.append(tensor(part, k, None)[index[axis:]])
+                rows.append(tensor(part, k, None, index[axis:]))
         return np.stack(rows) if stacked else rows[0]
 
     return block
@@ -226,7 +233,12 @@ def _read(reader: Reader, w: Weight, dtype, sharding=None):
     def build(part, shape, where):
         if where is None:
             return block(part, shape, (slice(None),) * len(shape))
-        return jax.make_array_from_callback(shape, where, functools.partial(block, part, shape))
+        # One device at a time, each block sent before the next is read (make_array_from_callback
+        # would hold every device's block on the host at once).
+        shards = [
+            jax.device_put(block(part, shape, i), d) for d, i in where.addressable_devices_indices_map(shape).items()
+        ]
+        return jax.make_array_from_single_device_arrays(shape, where, shards)
 
     if w.quant is None:
         a = build(0, w.shape, sharding)

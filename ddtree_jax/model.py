@@ -569,6 +569,7 @@ def forward(
     new_mask: jax.Array,  # [B, T, T] bool
     *,
     tap_layers: Sequence[int] = (),
+    tap_final_norm: bool = True,
     implementation: str = "xla",
     numerics: str | None = None,
     span: int | None = None,
@@ -587,6 +588,8 @@ def forward(
       cache: the committed latent cache.
       new_mask: visibility among the new tokens.
       tap_layers: layer indices whose outputs to return (for the drafter).
+      tap_final_norm: the last layer's tap is taken after the final norm, as HF's
+        `hidden_states[i + 1]` is (DFlash tooling's convention); False: its raw output.
       implementation: "xla" or "pallas" for the attention / MoE kernels.
       numerics: "exact" or "fast" (numerics.py); default "exact" for float32
         weights on the XLA path. "exact" needs the new tokens a query sees at
@@ -640,14 +643,17 @@ def forward(
         k_parts.append(k_pe)
         h_parts.append(hidden)
     kv = LatentKV(c_kv=jnp.concatenate(c_parts), k_pe=jnp.concatenate(k_parts))
-    taps = None
-    if keep_hidden:
-        taps = jnp.concatenate(h_parts)[jnp.asarray(tap_layers)]
     if numerics == "exact":
         hidden = tile_rows(lambda xt: rms_norm(xt, params.final_norm, cfg.rms_norm_eps), x.reshape(b * t, -1))
         hidden = hidden.reshape(x.shape)
     else:
         hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    taps = None
+    if keep_hidden:
+        taps = jnp.concatenate(h_parts)[jnp.asarray(tap_layers)]
+        last = [i for i, layer in enumerate(tap_layers) if layer == cfg.num_hidden_layers - 1]
+        if tap_final_norm and last:
+            taps = taps.at[jnp.asarray(last)].set(hidden.astype(taps.dtype))
     return ForwardOutput(hidden=hidden, kv=kv, taps=taps, expert_counts=counts)
 
 
@@ -677,6 +683,7 @@ def append(
     lengths: jax.Array,  # [B] valid tokens per row
     *,
     tap_layers: Sequence[int] = (),
+    tap_final_norm: bool = True,
     implementation: str = "xla",
     numerics: str | None = None,
 ) -> tuple[ForwardOutput, KVCache]:
@@ -696,6 +703,7 @@ def append(
         cache,
         causal_mask(lengths, t),
         tap_layers=tap_layers,
+        tap_final_norm=tap_final_norm,
         implementation=implementation,
         numerics=numerics,
     )

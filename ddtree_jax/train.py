@@ -86,14 +86,18 @@ def router_bias_mask(params: TargetParams):
     return mask.replace(moe_layers=mask.moe_layers.replace(mlp=mlp))
 
 
-def _sequence_forward(params: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...] = ()) -> ForwardOutput:
+def _sequence_forward(
+    params: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...] = (), tap_final_norm: bool = True
+) -> ForwardOutput:
     """Causal forward of whole sequences [B, T] from position 0 with nothing committed."""
     b, t = tokens.shape
     cache = KVCache.init(params.config, b, 1, params.dtype)  # one slot, never visible (lengths 0)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = causal_mask(jnp.full((b,), t, jnp.int32), t)
     # "fast": training needs gradients and speed, not decode-time bitwise invariance.
-    return forward(params, tokens, positions, cache, mask, tap_layers=tap_layers, numerics="fast")
+    return forward(
+        params, tokens, positions, cache, mask, tap_layers=tap_layers, tap_final_norm=tap_final_norm, numerics="fast"
+    )
 
 
 def target_loss(params: TargetParams, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -146,11 +150,13 @@ def block_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.exp(-(k - 1) / gamma)
 
 
-def target_outputs(target: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def target_outputs(
+    target: TargetParams, tokens: jax.Array, tap_layers: tuple[int, ...], tap_final_norm: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """One frozen target pass over whole sequences [B, T]: the drafter's conditioning
     features [B, T, n_taps * H] and the final hidden states [B, T, H] (for
     `teacher_logprobs`), both without gradient."""
-    out = _sequence_forward(target, tokens, tap_layers)
+    out = _sequence_forward(target, tokens, tap_layers, tap_final_norm)
     return jax.lax.stop_gradient((dflash.tap_features(out.taps), out.hidden))
 
 
@@ -216,7 +222,8 @@ def drafter_train_step(
 ) -> tuple[TrainState, dict]:
     """One drafter step: the frozen target's features (and, with distill_weight, its
     next-token distributions as soft labels), the weighted block loss, AdamW."""
-    features, hidden = target_outputs(target, tokens, state.params.config.target_layer_ids)
+    cfg = state.params.config
+    features, hidden = target_outputs(target, tokens, cfg.target_layer_ids, cfg.tap_final_norm)
     teacher = None
     if distill_weight:
         teacher = teacher_logprobs(target, hidden, anchors, state.params.config.block_size)

@@ -135,7 +135,9 @@ def main():
 
     @jax.jit
     def teacher_forced(tokens, anchors):  # [1, T], [1, A]
-        feats, hidden = train.target_outputs(target, tokens, params.config.target_layer_ids)
+        feats, hidden = train.target_outputs(
+            target, tokens, params.config.target_layer_ids, params.config.tap_final_norm
+        )
         drafted = jnp.argmax(dflash.train_logits(params, target.embed, target.unembed, feats, tokens, anchors), -1)
         lg = logits(target, hidden, numerics="fast").astype(jnp.float32)  # [1, T, V]; row t predicts token t + 1
         top2, idx2 = jax.lax.top_k(lg, 2)

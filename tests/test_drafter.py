@@ -107,7 +107,8 @@ def ref_rope(x, pos, theta):  # x [T, N, hd], pos [T]
 def ref_draft(w, cfg, features, ctx_pos, embed, unembed, tokens, pos):
     """One row: features [L, n_taps*H] at ctx_pos [L]; block tokens/pos [T] -> logits [T-1, V].
 
-    A sliding layer (HF Qwen3 rule) hides context keys with q - k >= sliding_window.
+    A sliding layer (HF Qwen3 rule) hides context keys with q - k >= sliding_window; a causal
+    layer hides the block keys after the query.
     """
     eps, hd, nq, nkv = cfg.rms_norm_eps, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     w = {k: np.asarray(a, np.float64) for k, a in w.items()}
@@ -132,6 +133,9 @@ def ref_draft(w, cfg, features, ctx_pos, embed, unembed, tokens, pos):
         if cfg.types[i] == "sliding_attention":
             far = pos[:, None] - ctx_pos[None, :] >= cfg.sliding_window  # [T, L]
             s[:, :, : len(ctx_pos)] = np.where(far[None], -np.inf, s[:, :, : len(ctx_pos)])
+        if cfg.causal_layers[i]:
+            later = pos[None, :] > pos[:, None]  # [T, T] block key after the query
+            s[:, :, len(ctx_pos) :] = np.where(later[None], -np.inf, s[:, :, len(ctx_pos) :])
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
         o = np.einsum("nts,snd->tnd", a, v).reshape(t, nq * hd)
@@ -142,11 +146,16 @@ def ref_draft(w, cfg, features, ctx_pos, embed, unembed, tokens, pos):
     return ref_rms(x, w["norm.weight"], eps)[1:] @ unembed.astype(np.float64)
 
 
-# Layer 1 slides with window 8: row 1 (11 context tokens) loses its oldest keys there.
+# Layer 1 slides with window 8: row 1 (11 context tokens) loses its oldest keys there, and
+# (DFlash's rule for sliding layers) its block attention is causal.
 SLIDING = dataclasses.replace(CFG, layer_types=("full_attention", "sliding_attention"), sliding_window=8)
 
 
-@pytest.mark.parametrize("cfg", [CFG, SLIDING], ids=["full", "sliding"])
+@pytest.mark.parametrize(
+    "cfg",
+    [CFG, SLIDING, dataclasses.replace(SLIDING, is_causal=False), dataclasses.replace(CFG, is_causal=True)],
+    ids=["full", "sliding", "sliding-bidirectional", "all-causal"],
+)
 def test_draft_matches_float64_reference(cfg, inputs, tmp_path):
     params = random_params(cfg)
     dflash.save_drafter_hf(params, tmp_path)
@@ -242,6 +251,16 @@ def test_block_attention_is_not_causal(params, inputs):
     changed = draft_logits(params, cache, inputs, block)
     diff = np.abs(changed - base).max(axis=-1)  # [B, T-1]
     assert (diff[:, :-1] > 1e-3).all()
+
+
+def test_causal_block_attention_hides_later_slots(inputs):
+    params = random_params(dataclasses.replace(CFG, is_causal=True))
+    cache = context_cache(params, inputs["features"])
+    block = inputs["block"].copy()
+    block[:, 3] = 7  # slot 3: logits of slots 1 .. 2 are computed before it, 3 .. on see it
+    base, changed = draft_logits(params, cache, inputs), draft_logits(params, cache, inputs, block)
+    np.testing.assert_array_equal(changed[:, :2], base[:, :2])
+    assert (np.abs(changed[:, 2:] - base[:, 2:]).max(axis=-1) > 1e-3).all()
 
 
 def test_rows_are_independent(params, inputs):
@@ -375,8 +394,12 @@ def test_sliding_window_configs():
     with pytest.raises(ConfigError, match="no layer is sliding_attention"):
         dataclasses.replace(CFG, sliding_window=8)
     # with_sliding_window: every layer slides; None / 0 back to full.
-    assert CFG.with_sliding_window(8) == dataclasses.replace(SLIDING, layer_types=("sliding_attention",) * 2)
-    assert CFG.with_sliding_window(8).with_sliding_window(0) == CFG.with_sliding_window(None) == CFG
+    # The block attention stays bidirectional (DFlash's rule alone would make sliding layers causal).
+    slid = dataclasses.replace(SLIDING, layer_types=("sliding_attention",) * 2, is_causal=False)
+    assert CFG.with_sliding_window(8) == slid and slid.causal_layers == (False, False)
+    unslid = dataclasses.replace(CFG, is_causal=False)
+    assert CFG.with_sliding_window(8).with_sliding_window(0) == CFG.with_sliding_window(None) == unslid
+    assert SLIDING.with_sliding_window(None).causal_layers == (False, False)  # mixed: the rule stays
     with pytest.raises(ConfigError, match="block_size=6"):
         CFG.with_sliding_window(4)
     # All-full layer types are normalised away, so replace() can change the depth.
@@ -466,7 +489,10 @@ def test_default_target_layer_ids(layers, targets, want):
         ({"dflash_config": {"mask_token_id": 0, "target_layer_ids": [1, 36]}}, "target_layer_ids"),
         ({"dflash_config": {"mask_token_id": 0}, "num_target_layers": None}, "num_target_layers"),
         ({"dflash_config": {"mask_token_id": 0, "final_logit_softcapping": 20.0}}, "final_logit_softcapping"),
-        ({"is_causal": True}, "is_causal"),
+        ({"is_causal": "yes"}, "is_causal"),
+        ({"dflash_config": {"mask_token_id": 0, "tap_final_norm": 1}}, "tap_final_norm"),
+        ({"architectures": ["DFlash2DraftModel"]}, "DFlash2"),
+        ({"dflash_config": {"mask_token_id": 0, "selector_rank": 64}}, "selector_rank"),
     ],
 )
 def test_config_validation(change, match):

@@ -36,7 +36,6 @@ def run_script(name, *args):
         [sys.executable, os.path.join(REPO, "experiments", name), *map(str, args)],
         capture_output=True,
         text=True,
-        timeout=600,
     )
 
 

@@ -130,10 +130,14 @@ def test_taps_are_layer_outputs():
     args = (params, tokens, jnp.arange(3)[None], cache, model.causal_mask(jnp.asarray([3]), 3))
     out = model.forward(*args, tap_layers=(0, 2))
     assert out.taps.shape == (2, 1, 3, params.config.hidden_size)
-    # The last layer's output, final-normed, is the returned hidden state.
-    out_last = model.forward(*args, tap_layers=(2,))
-    normed = model.rms_norm(out_last.taps[0], params.final_norm, params.config.rms_norm_eps)
+    # HF's hidden_states[i + 1]: the last layer's tap is after the final norm, the hidden state.
+    np.testing.assert_array_equal(out.taps[1], out.hidden)
+    # tap_final_norm=False: its raw output, which final-normed is the hidden state; inner taps as before.
+    raw = model.forward(*args, tap_layers=(0, 2), tap_final_norm=False)
+    np.testing.assert_array_equal(raw.taps[0], out.taps[0])
+    normed = model.rms_norm(raw.taps[1], params.final_norm, params.config.rms_norm_eps)
     np.testing.assert_allclose(normed, out.hidden, atol=1e-6)
+    assert np.abs(raw.taps[1] - out.hidden).max() > 0.1
     with pytest.raises(ValueError, match="tap layer 3"):
         model.forward(*args, tap_layers=(3,))
 

@@ -97,6 +97,14 @@ class DrafterConfig:
     # context keys at positions k with q - k < sliding_window. None = all full attention.
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    # Attention among block tokens (context keys are always visible, up to the window). None is
+    # DFlash's rule: sliding_attention layers causal, full_attention layers bidirectional;
+    # True / False: every layer.
+    is_causal: bool | None = None
+    # What "target layer i" feeds: HF's hidden_states[i + 1], so the last layer's tap comes after
+    # the final norm (DFlash tooling's convention). False: the last layer's raw output, what
+    # drafters trained before the convention (the shipped one among them) were fed.
+    tap_final_norm: bool = True
 
     def __post_init__(self):
         positive = (
@@ -142,6 +150,10 @@ class DrafterConfig:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.is_causal not in (None, True, False):
+            raise ConfigError(f"is_causal must be None, True or False, got {self.is_causal!r}")
+        if not isinstance(self.tap_final_norm, bool):
+            raise ConfigError(f"tap_final_norm must be a bool, got {self.tap_final_norm!r}")
         self._check_windows()
 
     def _check_windows(self) -> None:
@@ -170,21 +182,34 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     def with_sliding_window(self, window: int | None) -> DrafterConfig:
-        """This config with every layer sliding over the last `window` positions (None or 0: all full).
+        """This config with every layer sliding over the last `window` positions (None or 0: all full),
+        each layer's block attention (bidirectional or causal) unchanged.
 
         Raises:
             ConfigError: window < block_size.
         """
+        # Only the context changes: block attention that is the same in every layer stays so
+        # (DFlash's default rule would make sliding layers causal and full ones not).
+        causal = self.is_causal
+        if causal is None and len(set(self.causal_layers)) == 1:
+            causal = self.causal_layers[0]
         if not window:
-            return dataclasses.replace(self, layer_types=None, sliding_window=None)
+            return dataclasses.replace(self, layer_types=None, sliding_window=None, is_causal=causal)
         types = ("sliding_attention",) * self.num_hidden_layers
-        return dataclasses.replace(self, layer_types=types, sliding_window=window)
+        return dataclasses.replace(self, layer_types=types, sliding_window=window, is_causal=causal)
 
     @property
     def windows(self) -> tuple[int, ...]:
         """Per layer: how far back (q - k < window) a query sees context; full layers get 2**31 - 1."""
         full = int(np.iinfo(np.int32).max)
         return tuple(self.sliding_window if t == "sliding_attention" else full for t in self.types)
+
+    @property
+    def causal_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether block token q sees only block tokens at positions <= its own."""
+        if self.is_causal is not None:
+            return (self.is_causal,) * self.num_hidden_layers
+        return tuple(t == "sliding_attention" for t in self.types)
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -216,9 +241,13 @@ class DrafterConfig:
         if hf.get("attention_bias", False):
             raise ConfigError("attention_bias=True is not supported")
         rope_theta, yarn = parse_rope(hf, 1e6)
-        if hf.get("is_causal"):
-            raise ConfigError("is_causal=True is not supported (DFlash attends without a mask)")
         dflash = hf.get("dflash_config") or {}
+        dflash2 = sorted({"selector_rank", "conv_kernel_size"} & ({*hf, *dflash}))
+        if "DFlash2DraftModel" in (hf.get("architectures") or ()) or dflash2:
+            raise ConfigError(
+                f"DFlash2 drafters (candidate selector, dynamic convolutions{': ' if dflash2 else ''}"
+                f"{', '.join(dflash2)}) are not supported; DFlashDraftModel is"
+            )
 
         def value(name, default=None):
             return dflash.get(name, hf.get(name, default))
@@ -273,6 +302,8 @@ class DrafterConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 40960),
             layer_types=layer_types,
             sliding_window=window,
+            is_causal=hf.get("is_causal"),
+            tap_final_norm=dflash.get("tap_final_norm", True),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -287,13 +318,18 @@ class DrafterConfig:
             "layer_types": list(self.types),
         }
         for f in dataclasses.fields(self):
-            if f.name not in ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types", "rope_scaling"):
+            own = ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types", "rope_scaling")
+            if f.name not in (*own, "is_causal", "tap_final_norm"):
                 out[f.name] = getattr(self, f.name)
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         if self.rope_scaling is not None:
             out["rope_scaling"] = yarn_hf_dict(self.rope_scaling)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         out["dflash_config"] = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if not self.tap_final_norm:
+            out["dflash_config"]["tap_final_norm"] = False  # read by ddtree_jax only: DFlash tooling would differ
         return out
 
     @classmethod
@@ -621,19 +657,27 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
     # Context slot s holds position s: query-minus-key distances for the sliding windows.
     distance = positions[:, :, None] - jnp.arange(layer_kv[0].shape[2], dtype=jnp.int32)
     windows = jnp.asarray(cfg.windows, jnp.int32)
+    causal = jnp.asarray(cfg.causal_layers)
+    blk_causal = None
+    if any(cfg.causal_layers):
+        earlier = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key at or before query
+        blk_causal = earlier if blk_visible is None else blk_visible & earlier
 
     def body(x, xs):
-        lp, k_ctx, v_ctx, window = xs
+        lp, k_ctx, v_ctx, window, is_causal = xs
         visible = ctx_visible if cfg.layer_types is None else ctx_visible & (distance < window)
+        own = blk_visible
+        if blk_causal is not None:
+            own = jnp.where(is_causal, blk_causal, True if blk_visible is None else blk_visible)  # [B, T, T]
         h = rms_norm(x, lp.input_norm, eps)
         q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
         k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
-        o = _attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, blk_visible)
+        o = _attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, own)
         x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
 
-    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows), unroll=True)  # few layers: no device loop
+    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows, causal), unroll=True)  # few layers: no device loop
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 
@@ -729,7 +773,7 @@ def train_logits(
 
     Block a is [tokens[anchor], MASK x (bs - 1)] at positions anchor .. anchor + bs - 1;
     it sees the target context strictly before its anchor, every token of its own
-    block (bidirectional), and nothing of the other blocks. Its logits at slot k
+    block (bidirectional; in a causal layer, up to itself), and nothing of the other blocks. Its logits at slot k
     predict tokens[anchor + k].
     """
     cfg = params.config
@@ -825,6 +869,10 @@ class DFlashDrafter:
     @property
     def tap_layers(self) -> tuple[int, ...]:
         return tuple(self.params.config.target_layer_ids)
+
+    @property
+    def tap_final_norm(self) -> bool:
+        return self.params.config.tap_final_norm
 
     def init_state(self, target: TargetParams, batch: int, capacity: int) -> DrafterCache:
         return DrafterCache.init(self.params.config, batch, capacity, self.params.fc.dtype)

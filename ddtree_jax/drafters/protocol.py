@@ -15,7 +15,7 @@ from typing import Any
 from ddtree_jax.checks import check_int
 from ddtree_jax.drafters.dflash import DFlashDrafter, DrafterParams
 
-PROTOCOL = ("block_size", "tap_layers", "init_state", "observe", "propose")
+PROTOCOL = ("block_size", "tap_layers", "tap_final_norm", "init_state", "observe", "propose")
 """What the decode loop uses of a drafter; any pytree with these members works."""
 
 

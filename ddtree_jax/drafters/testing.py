@@ -19,6 +19,7 @@ class _Stateless:
     """Drafters that keep no state and read no target features."""
 
     tap_layers: tuple[int, ...] = ()
+    tap_final_norm: bool = True
 
     def init_state(self, target, batch, capacity):
         return None
