@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,9 @@ from ddtree_jax.tree import check_budget
 METHODS = ("ar", "dflash", "ddtree")
 DEFAULT_BUDGET = 64
 CACHE_ALIGN = 64
+PREFILL_CHUNK = 512
+"""Prompt tokens per row the prefill runs at once: its attention scores and expert pairs
+grow with the chunk, so long prompts go in a loop of chunks."""
 PAD = -1
 
 
@@ -119,28 +123,47 @@ class _Static:
     cache_dtype: str
     implementation: str
     numerics: str
+    prefill_chunk: int
 
 
 def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static):
-    """Prompt into the target cache (and its tapped features into the drafter's)."""
+    """Prompt into the target cache (and its tapped features into the drafter's), in chunks of
+    `st.prefill_chunk` tokens per row. Returns (logits [B, V] at each row's last prompt token,
+    cache, drafter state)."""
     b, p = prompts.shape
-    taps = drafter.tap_layers if drafter is not None else ()
-    out, cache = append(
-        target,
-        cache,
-        prompts,
-        prompt_lengths,
-        tap_layers=taps,
-        tap_final_norm=drafter.tap_final_norm if drafter is not None else True,
-        implementation=st.implementation,
-        numerics=st.numerics,
-    )
-    last = out.hidden[jnp.arange(b), prompt_lengths - 1]
-    draft_state = None
-    if drafter is not None:
-        idx = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        draft_state = drafter.init_state(target, b, st.cache_capacity)
-        draft_state = drafter.observe(draft_state, out.taps, idx, idx < prompt_lengths[:, None])
+    c = min(p, st.prefill_chunk)
+    n = -(-p // c)
+    prompts = jnp.pad(prompts, ((0, 0), (0, n * c - p)))
+    rows = jnp.arange(b)
+    draft_state = None if drafter is None else drafter.init_state(target, b, st.cache_capacity)
+
+    def chunk(carry, start):  # the prompt tokens [start, start + c) of every row
+        cache, draft_state, last = carry
+        out, cache = append(
+            target,
+            cache,
+            jax.lax.dynamic_slice_in_dim(prompts, start, c, axis=1),
+            jnp.clip(prompt_lengths - start, 0, c),
+            tap_layers=drafter.tap_layers if drafter is not None else (),
+            tap_final_norm=drafter.tap_final_norm if drafter is not None else True,
+            implementation=st.implementation,
+            numerics=st.numerics,
+        )
+        if drafter is not None:
+            idx = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+            draft_state = drafter.observe(draft_state, out.taps, idx, idx < prompt_lengths[:, None])
+        at = prompt_lengths - 1 - start  # the row's last prompt token, if in this chunk
+        here = (at >= 0) & (at < c)
+        last = jnp.where(here[:, None], out.hidden[rows, jnp.clip(at, 0, c - 1)], last)
+        return (cache, draft_state, last), None
+
+    last = jnp.zeros((b, target.config.hidden_size), target.dtype)
+    starts = jnp.arange(n, dtype=jnp.int32) * c
+    if n == 1:
+        (cache, draft_state, last), _ = chunk((cache, draft_state, last), starts[0])
+    else:
+        with jax.named_scope("prefill_chunks"):
+            (cache, draft_state, last), _ = jax.lax.scan(chunk, (cache, draft_state, last), starts)
     return logits(target, last, numerics=st.numerics), cache, draft_state
 
 
@@ -313,6 +336,7 @@ def generate(
     cache_dtype=None,
     implementation: str = "xla",
     numerics: str | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> GenerateResult:
     """Generates continuations of a batch of prompts, by AR, DFlash or DDTree decoding.
 
@@ -352,6 +376,8 @@ def generate(
         float32 weights with implementation="xla": greedy output is then bitwise the
         same at any cache capacity, for every method, alone or in a padded batch;
         "fast" otherwise.
+      prefill_chunk: prompt tokens per row the prefill forward takes at once (a loop runs
+        the chunks): bounds its attention scores and expert pairs on long prompts.
 
     Returns:
       A `GenerateResult` (device arrays; `to_lists()` for Python ids, `tau`;
@@ -360,6 +386,43 @@ def generate(
     Raises:
       ValueError / TypeError / ConfigError: on bad input, naming the offending value.
     """
+    return _run(_generate, **locals())
+
+
+def lower(target: TargetParams, drafter: Any = None, prompts=None, **kwargs) -> jax.stages.Lowered:
+    """`generate`'s jitted loop lowered, not run: same arguments, checked the same way.
+
+    The params may be `jax.ShapeDtypeStruct`s (`model.abstract_params`, with shardings), so
+    `lower(...).compile().memory_analysis()` plans a full-size model without its weights.
+    """
+    bound = inspect.signature(generate).bind(target, drafter, prompts, **kwargs)
+    bound.apply_defaults()
+    return _run(_generate.lower, **bound.arguments)
+
+
+def _run(
+    fn,
+    target,
+    drafter,
+    prompts,
+    *,
+    method,
+    tree_budget,
+    block_size,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    key,
+    stop_token_ids,
+    prompt_lengths,
+    cache_capacity,
+    cache_dtype,
+    implementation,
+    numerics,
+    prefill_chunk,
+):
+    """Checks `generate`'s arguments and calls fn(*jit arguments, st=...) (the loop, or its `lower`)."""
     if prompts is None and not is_drafter(drafter):
         drafter, prompts = None, drafter
     if not isinstance(target, TargetParams):
@@ -428,15 +491,16 @@ def generate(
         cache_dtype=check_dtype(cache_dtype or target.dtype, "cache_dtype").name,
         implementation=implementation,
         numerics=numerics,
+        prefill_chunk=check_int("prefill_chunk", prefill_chunk, minimum=1),
     )
     args = (target, drafter, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop or [PAD], jnp.int32), key)
-    mesh = _params_mesh(target) if implementation == "pallas" else None
+    mesh = _params_mesh(target)
     if mesh is None:
-        return _generate(*args, st=st)
-    # Pallas kernels are opaque to GSPMD: under the params' mesh, with the rules the
-    # weights were placed by, they run per shard.
+        return fn(*args, st=st)
+    # Under the params' mesh, with the rules the weights were placed by, the Pallas kernels
+    # (opaque to GSPMD) run per shard, and so do the routed experts on the XLA path.
     with sharding.use_mesh(mesh, sharding.placed_rules(target)):
-        return _generate(*args, st=st)
+        return fn(*args, st=st)
 
 
 def _params_mesh(target: TargetParams):

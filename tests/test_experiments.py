@@ -233,8 +233,10 @@ def test_loop_ops_counts_the_decode_loop_body(tmp_path):
 
 
 def test_k2_memory_plan_compiles_a_full_width_slice_for_8_devices(tmp_path):
-    """Two full-width Kimi-K2 layers (INT4 experts) compiled for a (1, 8) mesh from abstract params:
-    per-device weights are 1/8 of the slice's experts and heads, plus the replicated rest."""
+    """The whole `generate` loop for two full-width Kimi-K2 layers (INT4 experts) and a drafter
+    of K2.5-DFlash's shape, compiled for a (1, 8) mesh from abstract params: per-device weights
+    are 1/8 of the experts and heads plus the replicated rest, and no weight is all-gathered
+    (the routed experts run expert-parallel; left to GSPMD they were gathered, 2.8 GB each)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out = tmp_path / "plan.json"
     args = ("--layers", "2", "--contexts", "8192", "--batches", "1", "--experts", "int4", "--out", str(out))
@@ -249,5 +251,11 @@ def test_k2_memory_plan_compiles_a_full_width_slice_for_8_devices(tmp_path):
     # 1 dense + 1 MoE layer: the MoE layer's 384 INT4 experts are 2.3 GB, 48 of them per device;
     # the vocabulary-split embedding and lm_head 0.29 GB each per device.
     assert 1.5 < row["weights_gb"] < 2.5, row
-    # The verify forward's arguments: every weight but lm_head (it returns hidden states), plus the cache.
-    assert 0.7 * row["weights_gb"] < row["arguments_gb"] < row["weights_gb"] + 0.2 and row["temp_gb"] > 0, row
+    # The drafter's share: 6 layers of width 7168, heads and MLP split 8 ways.
+    assert 0.8 < row["drafter_weights_gb"] < 1.2, row
+    # Arguments are the weights (the caches live inside the loop: temporaries).
+    assert abs(row["arguments_gb"] - row["weights_gb"] - row["drafter_weights_gb"]) < 0.05, row
+    assert row["temp_gb"] > row["latent_cache_gb"] > 0, row
+    assert {"all-reduce"} <= set(row["collectives"]), row
+    assert max(max(v) for v in row["collective_bytes"].values()) < 1e9, row["collective_bytes"]
+    assert max(row["collective_bytes"].get("all-gather", [0])) < 1e8, row["collective_bytes"]

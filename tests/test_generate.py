@@ -25,6 +25,21 @@ def test_mixed_lengths_batch_equals_each_alone(params):
         assert generate(params, [prompt], max_new_tokens=10).to_lists()[0] == row
 
 
+def test_chunked_prefill_gives_the_same_tokens(params):
+    """Prompts of 7, 1 and 4 tokens prefilled 3 or 4 tokens at a time (a row ends mid-chunk,
+    another in the first chunk) give the one-chunk tokens, AR and DDTree."""
+    from ddtree_jax.drafters import dflash
+
+    d = dflash.init_params(dflash.drafter_config_for(params.config, block_size=4), jax.random.PRNGKey(2), std=0.1)
+    for method in ("ar", "ddtree"):
+        kw = dict(method=method, max_new_tokens=8, stop_token_ids=())
+        whole = generate(params, d, PROMPTS, **kw)
+        for chunk in (3, 4):
+            part = generate(params, d, PROMPTS, prefill_chunk=chunk, **kw)
+            assert part.to_lists() == whole.to_lists(), (method, chunk)
+            np.testing.assert_array_equal(part.accept_lengths, whole.accept_lengths)
+
+
 def test_padded_array_with_lengths_equals_lists(params):
     padded = np.zeros((3, 7), np.int32)
     for i, p in enumerate(PROMPTS):
@@ -175,6 +190,8 @@ def test_top_k_top_p_filters():
         (dict(prompts=[[1]], numerics="exactly"), ValueError, "unknown numerics 'exactly'"),
         (dict(prompts=[[1]], implementation="cuda"), ValueError, "unknown implementation 'cuda'"),
         (dict(prompts=[[1]], block_size=True), TypeError, "block_size must be an int, got True"),
+        (dict(prompts=[[1]], prefill_chunk=0), ValueError, "prefill_chunk must be >= 1, got 0"),
+        (dict(prompts=[[1]], prefill_chunk=2.0), TypeError, "prefill_chunk must be an int, got 2.0"),
         (
             dict(prompts=[[1] * 3, [1] * 500], max_new_tokens=13),
             ValueError,

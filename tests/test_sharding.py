@@ -89,11 +89,28 @@ PALLAS_SCRIPT = textwrap.dedent(
         got = mla(*q, *kv, mask)
     np.testing.assert_allclose(got, mla_attention(*q, *kv, mask, scale=0.3), atol=1e-4, rtol=1e-4)
 
-    # generate on sharded weights with the kernels gives the single-device XLA tokens.
+    # The XLA path's routed experts run expert-parallel by hand too (GSPMD alone all-gathers
+    # every expert): weight gather (T * K <= E) and grouped GEMM, dense and INT4.
+    from ddtree_jax.quant import Int4
+    moe_xla = jax.jit(lambda *a: moe_experts(*a, implementation="xla"))
+    q4 = [Int4(group_size=8).quantize(a) for a in (f(8, 16, 16), f(8, 16, 16), f(8, 16, 16))]
+    for t, weights in ((2, (gate, up, down)), (6, (gate, up, down)), (2, q4), (6, q4)):
+        args = (x[:t], idx[:t], w[:t], *weights)
+        with jax.set_mesh(mesh):
+            assert "shard_map" in str(jax.make_jaxpr(moe_xla)(*args))
+            got = moe_xla(*args)
+        np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-4, rtol=1e-4)
+
+    # generate on sharded weights with the kernels gives the single-device XLA tokens; so does
+    # the fast XLA path, dense and INT4.
     prompts = [[5, 17, 33, 2, 9], [250, 1]]
     kw = dict(max_new_tokens=5, stop_token_ids=())
     ref = generate(target, prompts, **kw).to_lists()
     assert generate(st, prompts, implementation="pallas", **kw).to_lists() == ref
+    from ddtree_jax import model
+    for params in (target, model.quantize_experts(target, group_size=8)):
+        want = generate(params, prompts, numerics="fast", **kw).to_lists()
+        assert generate(sharding.shard_target(params, mesh), prompts, numerics="fast", **kw).to_lists() == want
 
     # Custom rules reach the kernels: experts over "data", heads kept whole.
     from jax.sharding import PartitionSpec as P

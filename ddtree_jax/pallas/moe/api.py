@@ -38,8 +38,8 @@ def moe_experts(
         (`quant.QuantizedArray`, "xla" only).
       implementation: "xla" (weight gather or ragged_dot, see reference.py) or
         "pallas" (the grouped Triton-style kernel in kernel.py; on a CPU backend
-        it runs in interpret mode; under a mesh context (`sharding.use_mesh`) whose rules split
-        the "experts" axis it runs expert-parallel, one shard of experts per device).
+        it runs in interpret mode). Under a mesh context (`sharding.use_mesh`) whose rules
+        split the "experts" axis, either runs expert-parallel, one shard of experts per device.
 
     Returns:
       [T, H] in x's dtype.
@@ -59,23 +59,30 @@ def moe_experts(
     chex.assert_type(idx, jnp.int32)
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
-        spec = sharding.kernel_spec(("experts", None, None), gate.shape)
-        axis = None if spec is None else spec[0]
-        if axis is None:  # no mesh, experts not split by its rules, or E not divisible: one kernel
-            return kernel(x, idx, w, gate, up, down)
-        return _expert_parallel(kernel, axis)(x, idx, w, gate, up, down)
-    return moe_experts_xla(x, idx, w, gate, up, down)
+        dropped = -1
+    else:
+        kernel, dropped = moe_experts_xla, None  # None: one past the local experts (sorts last, no group)
+    spec = sharding.kernel_spec(("experts", None, None), gate.shape)
+    axis = None if spec is None else spec[0]
+    if axis is None:  # no mesh, experts not split by its rules, or E not divisible: one call
+        return kernel(x, idx, w, gate, up, down)
+    # Expert parallel by hand: left to GSPMD, the XLA path's weight gather and grouped
+    # GEMM all-gather every expert to every device (issue 15's compiled plan).
+    return _expert_parallel(kernel, axis, dropped)(x, idx, w, gate, up, down)
 
 
-def _expert_parallel(kernel, axis: str):
+def _expert_parallel(kernel, axis: str, dropped: int | None):
     """The kernel per shard of the experts over mesh `axis`: each computes the pairs
-    routed to its own experts (the others are dropped, idx -1) and the partial sums
-    are added over the axis. Tokens are replicated to every shard."""
+    routed to its own experts (the others get weight 0 and expert id `dropped`, or the
+    local expert count for None) and the partial sums are added over the axis. Tokens
+    are replicated to every shard."""
 
     def local(x, idx, w, gate, up, down):
-        first = jax.lax.axis_index(axis) * gate.shape[0]
-        mine = (idx >= first) & (idx < first + gate.shape[0])
-        y = kernel(x, jnp.where(mine, idx - first, -1), jnp.where(mine, w, 0.0), gate, up, down)
+        e = gate.shape[0]
+        first = jax.lax.axis_index(axis) * e
+        mine = (idx >= first) & (idx < first + e)
+        other = e if dropped is None else dropped
+        y = kernel(x, jnp.where(mine, idx - first, other), jnp.where(mine, w, 0.0), gate, up, down)
         return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
 
     rep, experts = PartitionSpec(), PartitionSpec(axis, None, None)

@@ -61,11 +61,13 @@ def _take(a, idx, dtype):
 
 def _moe_gather(x, idx, w, gate, up, down):
     f32 = jnp.float32
-    g, u, d = (_take(a, idx, x.dtype) for a in (gate, up, down))  # [T, K, H, I], [T, K, I, H]
+    e = gate.shape[0]
+    # Ids >= E mark dropped pairs (another shard's experts): they read expert E - 1, add nothing.
+    g, u, d = (_take(a, jnp.minimum(idx, e - 1), x.dtype) for a in (gate, up, down))  # [T, K, H, I]
     h_gate = einsum("th,tkhi->tki", x, g).astype(x.dtype)
     h_up = einsum("th,tkhi->tki", x, u).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
-    y = einsum("tki,tkih->tkh", act, d).astype(x.dtype)
+    y = jnp.where((idx < e)[..., None], einsum("tki,tkih->tkh", act, d).astype(x.dtype), 0)
     return jnp.einsum("tk,tkh->th", w, y.astype(f32)).astype(x.dtype)
 
 
@@ -93,8 +95,11 @@ def _combine_sorted(ys, order, w):
 
 def _moe_ragged(x, idx, w, gate, up, down):
     order, xs = _sort_pairs(x, idx)
+    # Pairs with ids >= E (dropped: another shard's) sort last, outside every group.
     sizes = jnp.bincount(idx.reshape(-1), length=gate.shape[0]).astype(jnp.int32)
-    return _combine_sorted(_ragged_swiglu(xs, gate, up, down, sizes), order, w)
+    ys = _ragged_swiglu(xs, gate, up, down, sizes)
+    ys = jnp.where((jnp.arange(ys.shape[0]) < jnp.sum(sizes))[:, None], ys, 0)
+    return _combine_sorted(ys, order, w)
 
 
 def _moe_ragged_int4(x, idx, w, gate, up, down):
@@ -129,7 +134,8 @@ def _moe_ragged_int4(x, idx, w, gate, up, down):
 
 
 def moe_experts_xla(x, idx, w, gate, up, down):
-    """Same result as the reference, doing only the routed work."""
+    """Same result as the reference, doing only the routed work. Pairs with idx >= E (and
+    weight 0) are dropped: the expert-parallel wrapper marks another shard's pairs so."""
     t, k = idx.shape
     if t * k <= GATHER_MAX_PAIRS_PER_EXPERT * gate.shape[0]:
         return _moe_gather(x, idx, w, gate, up, down)
