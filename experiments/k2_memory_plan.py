@@ -69,7 +69,9 @@ def drafter_for(cfg: config.TargetConfig) -> dflash.DrafterConfig:
     return dataclasses.replace(d, target_layer_ids=taps, num_target_layers=cfg.num_hidden_layers)
 
 
-def plan(cfg: config.TargetConfig, mesh, batch: int, context: int, what: str, budget: int, new: int) -> dict:
+def plan(
+    cfg: config.TargetConfig, mesh, batch: int, context: int, what: str, budget: int, new: int, chunk: int = 512
+) -> dict:
     """Compile `generate` (or the verify forward) for abstract, sharded params; per-device GB."""
     params = _sharded(weights.abstract(model.declare(cfg), jnp.bfloat16), model.declare(cfg), mesh)
     dcfg = drafter_for(cfg)
@@ -90,6 +92,7 @@ def plan(cfg: config.TargetConfig, mesh, batch: int, context: int, what: str, bu
                 cache_capacity=context,
                 stop_token_ids=(),
                 numerics="fast",
+                prefill_chunk=chunk,
             )
         else:
             cache = jax.eval_shape(lambda: KVCache.init(cfg, batch, context, jnp.bfloat16))
@@ -113,6 +116,7 @@ def plan(cfg: config.TargetConfig, mesh, batch: int, context: int, what: str, bu
         "batch": batch,
         "context": context,
         "budget": budget,
+        "prefill_chunk": chunk,
         "weights_gb": shard_bytes(params) / 1e9,
         "drafter_weights_gb": shard_bytes(dparams) / 1e9,
         "latent_cache_gb": latent / 1e9,
@@ -136,6 +140,7 @@ def main():
     ap.add_argument("--what", choices=["generate", "verify"], default="generate")
     ap.add_argument("--budget", type=int, default=64, help="DDTree budget (verify: budget + 1 tokens per row)")
     ap.add_argument("--new", type=int, default=128, help="generate: max_new_tokens")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="generate: prefill_chunk")
     ap.add_argument("--experts", nargs="+", default=["int4", "bf16"], choices=["int4", "bf16"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -155,7 +160,10 @@ def main():
             cfg = dataclasses.replace(cfg, expert_int4_group_size=32)
         for context in args.contexts:
             for batch in args.batches:
-                row = {"experts": experts, **plan(cfg, mesh, batch, context, args.what, args.budget, args.new)}
+                row = {
+                    "experts": experts,
+                    **plan(cfg, mesh, batch, context, args.what, args.budget, args.new, args.prefill_chunk),
+                }
                 row["total_gb"] = total = row["arguments_gb"] + row["temp_gb"] + row["output_gb"]
                 rows.append(row)
                 print(
