@@ -99,7 +99,7 @@ def prompts_for(batch, seed):
 
 
 # (batch, block size, budgets): every budget, block size and batch size of the issue, in few compiles.
-SWEEP = [(1, 2, (1, 64)), (2, 4, (2, 257)), (3, 16, (15, 64)), (4, 16, (1, 257)), (4, 4, (15,)), (2, 2, (2, 257))]
+SWEEP = [(1, 2, (1, 64)), (2, 4, (2, 257)), (3, 16, (15, 64)), (4, 16, (1, 257))]
 
 
 @pytest.mark.parametrize(("batch", "bs", "budgets"), SWEEP)
@@ -114,7 +114,7 @@ def test_ddtree_equals_dflash_equals_ar_greedy(target, batch, bs, budgets):
         assert res.to_lists() == ar, budget
 
 
-@pytest.mark.parametrize("bs", [2, 4, 16])
+@pytest.mark.parametrize("bs", [4, 16])
 def test_partially_right_drafter_advances_rows_unevenly_and_stays_exact(target, bs):
     prompts = prompts_for(4, seed=bs)
     noisy = OracleDrafter(block_size=bs, confidence=3.0, noise=2.0)
