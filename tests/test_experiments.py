@@ -136,8 +136,7 @@ def test_sweep_tree_writes_csv_json_and_plots(data_dir, tmp_path):
     expected = [
         (t, m, bs, b)
         for t in (0.0, 1.0)
-        for m, bs, b in [("ar", None, None)]
-        + [(m, 4, b) for m, b in (("dflash", None), ("ddtree", 1), ("ddtree", 4))]
+        for m, bs, b in [("ar", None, None)] + [(m, 4, b) for m, b in (("dflash", None), ("ddtree", 1), ("ddtree", 4))]
     ]
     assert [(r["temperature"], r["method"], r["block_size"], r["budget"]) for r in rows] == expected
     assert len(csv_rows) == len(rows) and csv_rows[0]["method"] == "ar"
