@@ -81,6 +81,10 @@ def drafter_parity(tmp_path_factory):
     return {name: (*run, ref) for (name, run), ref in zip(runs.items(), refs, strict=True)}
 
 
+extend = jax.jit(dflash.extend_context)
+draft = jax.jit(dflash.draft)
+
+
 def _our_rounds(params, inputs) -> list[np.ndarray]:
     """The engine's drafter over the same rounds: extend the cache with each context piece, draft."""
     cfg = params.config
@@ -88,9 +92,9 @@ def _our_rounds(params, inputs) -> list[np.ndarray]:
     start, out = 0, []
     for block, end in zip(inputs["blocks"], CONTEXT_ENDS, strict=True):
         pos = jnp.arange(start, end, dtype=jnp.int32)[None]
-        cache = dflash.extend_context(params, cache, inputs["features"][:, start:end], pos, jnp.ones(pos.shape, bool))
+        cache = extend(params, cache, inputs["features"][:, start:end], pos, jnp.ones(pos.shape, bool))
         block_pos = jnp.arange(end, end + cfg.block_size, dtype=jnp.int32)[None]
-        lg = dflash.draft(params, cache, inputs["embed"], inputs["lm_head"].T, block[None], block_pos)
+        lg = draft(params, cache, inputs["embed"], inputs["lm_head"].T, block[None], block_pos)
         out.append(np.asarray(lg[0]))
         start = end
     return out
