@@ -76,8 +76,8 @@ def drafter_shard_config(vocab: int) -> dflash.DrafterConfig:
 
 
 def random_like(abstract, key, std: float = 0.02):
-    """Device arrays shaped like `abstract`: random int32 words for packed INT4, small normals
-    (unit-ish norms, small INT4 scales) otherwise; one leaf per jit, so the peak is one leaf."""
+    """Device arrays shaped like `abstract`: random int32 words for packed INT4, std * N(0, 1)
+    otherwise (norms and INT4 scales included); one leaf per jit, so the peak is one leaf."""
     leaves, treedef = jax.tree.flatten(abstract)
     keys = jax.random.split(key, len(leaves))
     out = []
@@ -145,7 +145,8 @@ def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
         ),
         "norms": (jax.jit(lambda w, x: rms_norm(rms_norm(x, w, 1e-6), w, 1e-6)), (moe0.attn_norm, x)),
     }
-    idx, w = jax.jit(lambda m, f: model.route(cfg, f, m.router, m.router_bias))(moe0.mlp, flat)
+    route, route_args = stages["router"]
+    idx, w = route(*route_args)
     stages["routed_experts"] = (
         jax.jit(lambda m, f, idx, w: moe_experts(f, idx, w, m.gate, m.up, m.down, implementation="xla")),
         (moe0.mlp, flat, idx, w),
@@ -185,7 +186,8 @@ def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
 
 def copy_bandwidth(reps: int) -> float:
     """GB/s of a 4 GiB bf16 read + write, the HBM ceiling measured in this run."""
-    x = jax.random.normal(jax.random.PRNGKey(1), (1 << 31,), jnp.bfloat16)
+    # Non-zero data (zeros can time faster), without the random generator's 4-byte temporaries.
+    x = jax.jit(lambda: (jnp.arange(1 << 31, dtype=jnp.int32) % 251).astype(jnp.bfloat16))()
     seconds = device_time(jax.jit(lambda x: x + 1), (x,), reps)[0]
     return 2 * x.nbytes / seconds / 1e9
 

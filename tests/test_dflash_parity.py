@@ -21,23 +21,10 @@ from ddtree_jax.config import YarnConfig
 from ddtree_jax.drafters import as_drafter, dflash
 from ddtree_jax.drafters.dflash import DrafterCache, DrafterConfig
 from tests.conftest import random_target, run_hf_reference, tiny
-from tests.test_drafter import random_params
+from tests.test_drafter import CFG, random_params
 
-BASE = DrafterConfig(
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=256,
-    block_size=8,
-    target_layer_ids=(0, 2),
-    mask_token_id=255,
-    rope_theta=10000.0,
-    num_target_layers=3,
-    max_position_embeddings=256,
-)
+# test_drafter's config, with a third layer, a longer block and room for YaRN's long positions.
+BASE = dataclasses.replace(CFG, num_hidden_layers=3, block_size=8, max_position_embeddings=256)
 YARN = YarnConfig(factor=8.0, original_max_position_embeddings=32)
 SLIDING = dataclasses.replace(
     BASE, layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=10

@@ -317,9 +317,9 @@ class DrafterConfig:
             "use_sliding_window": self.sliding_window is not None,
             "layer_types": list(self.types),
         }
+        written_below = ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types", "rope_scaling")
         for f in dataclasses.fields(self):
-            own = ("target_layer_ids", "mask_token_id", "num_target_layers", "layer_types", "rope_scaling")
-            if f.name not in (*own, "is_causal", "tap_final_norm"):
+            if f.name not in (*written_below, "is_causal", "tap_final_norm"):
                 out[f.name] = getattr(self, f.name)
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
