@@ -5,7 +5,8 @@ kv_lora_rank, P qk_rope_head_dim.
 
 The cache holds only what absorbed MLA needs: per token and layer the normed
 latent c_kv [R] and the RoPE'd shared key k_pe [P]. Slot s of sequence b holds
-position s; entries s < lengths[b] are committed and visible to every query.
+position s; entries s < lengths[b] are committed and visible to every query. Under a mesh the
+cache is split by sequence ("cache_batch", see `ddtree_jax.sharding`).
 Forward passes never write the cache: they return the new tokens' entries
 (`LatentKV`), and the caller decides which to commit (all of them for prefill and
 AR decode, the accepted path for tree verification).
@@ -18,7 +19,17 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ddtree_jax import sharding
 from ddtree_jax.config import TargetConfig
+
+
+def cache_spec(batch: int) -> jax.sharding.PartitionSpec | None:
+    """Placement of c_kv / k_pe under the current mesh (None without one): split by
+    sequence over `sharding.cache_split`'s axes."""
+    if sharding.context_mesh() is None:
+        return None
+    home, extra = sharding.cache_split(batch)
+    return jax.sharding.PartitionSpec(None, home + extra or None, None, None)
 
 
 @struct.dataclass
@@ -45,10 +56,14 @@ class KVCache:
         if capacity < 1:
             raise ValueError(f"cache capacity must be >= 1, got {capacity}")
         nl = cfg.num_hidden_layers
+        spec = cache_spec(batch)
+
+        def zeros(width):
+            z = jnp.zeros((nl, batch, capacity, width), dtype)
+            return z if spec is None else jax.lax.with_sharding_constraint(z, spec)
+
         return cls(
-            c_kv=jnp.zeros((nl, batch, capacity, cfg.kv_lora_rank), dtype),
-            k_pe=jnp.zeros((nl, batch, capacity, cfg.qk_rope_head_dim), dtype),
-            lengths=jnp.zeros((batch,), jnp.int32),
+            c_kv=zeros(cfg.kv_lora_rank), k_pe=zeros(cfg.qk_rope_head_dim), lengths=jnp.zeros((batch,), jnp.int32)
         )
 
     @property
@@ -72,7 +87,27 @@ class KVCache:
         """
         b, t = slots.shape
         chex.assert_shape(new.c_kv, (self.c_kv.shape[0], b, t, self.c_kv.shape[3]))
-        rows = jnp.arange(b)[:, None]
-        c_kv = self.c_kv.at[:, rows, slots].set(new.c_kv.astype(self.dtype), mode="drop")
-        k_pe = self.k_pe.at[:, rows, slots].set(new.k_pe.astype(self.dtype), mode="drop")
+        c_kv, k_pe = new.c_kv.astype(self.dtype), new.k_pe.astype(self.dtype)
+        home, extra = sharding.cache_split(b)
+        if not extra:
+            return self.replace(c_kv=_put(self.c_kv, c_kv, slots), k_pe=_put(self.k_pe, k_pe, slots))
+
+        def local(cache_c, cache_k, c, k, s):  # this device's sequences only
+            c, k = sharding.rows_here(c, extra, axis=1), sharding.rows_here(k, extra, axis=1)
+            s = sharding.rows_here(s, extra)
+            return _put(cache_c, c, s), _put(cache_k, k, s)
+
+        spec = cache_spec(b)
+        home_spec = jax.sharding.PartitionSpec(None, home or None, None, None)
+        c_kv, k_pe = jax.shard_map(
+            local,
+            in_specs=(spec, spec, home_spec, home_spec, jax.sharding.PartitionSpec(home or None, None)),
+            out_specs=(spec, spec),
+        )(self.c_kv, self.k_pe, c_kv, k_pe, slots)
         return self.replace(c_kv=c_kv, k_pe=k_pe)
+
+
+def _put(cache: jax.Array, entries: jax.Array, slots: jax.Array) -> jax.Array:
+    """cache [L, B, S, W] with entries [L, B, T, W] at slots [B, T] (slots >= S dropped)."""
+    rows = jnp.arange(slots.shape[0])[:, None]
+    return cache.at[:, rows, slots].set(entries, mode="drop")

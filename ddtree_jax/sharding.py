@@ -8,8 +8,14 @@ through `generate` (GSPMD).
 
 Tensor parallelism over "model": attention heads, dense-MLP and shared-expert
 intermediate units, routed experts (expert parallelism) and the vocabulary.
-The absorbed-MLA latent cache has a single shared KV head, so it is replicated
-over "model"; "data" is for the batch.
+The absorbed-MLA latent cache has a single shared KV head, which no head split can
+divide: it is split by sequence over "data" and "model" instead ("cache_batch",
+data-parallel attention) when the mesh divides the batch, else over "data" only. "data"
+is for the batch. Attention and cache writes then run in `shard_map` (`cache_split`):
+each device takes its sequences' rows, the queries move from the head split to the
+sequence split and the outputs back (two all-to-alls per layer), and GSPMD never sees
+the sequence split outside the cache (left to it, it spread that split into the whole
+decode loop and all-gathered activations back at every layer).
 
 Pallas kernels are opaque to GSPMD, so their dispatch functions run them per shard
 with `shard_map` under `use_mesh(mesh, rules)`, with specs from the same logical
@@ -29,8 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "model")
 
-RULES: dict[str, str | None] = {
+RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": "data",
+    "cache_batch": ("data", "model"),
     "vocab": "model",
     "heads": "model",
     "mlp": "model",
@@ -104,6 +111,44 @@ def kernel_spec(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> Partiti
     return spec_for(axes, shape, mesh, context_rules())
 
 
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """x with its sharding pinned to the logical `axes` under the current mesh and rules.
+
+    Without a mesh context, x itself. A mesh axis an earlier dimension already uses, or
+    one that does not divide its dimension, leaves that dimension replicated (`spec_for`).
+    """
+    spec = kernel_spec(axes, x.shape)
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+
+def cache_split(batch: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """How the latent cache of `batch` sequences is split under the current mesh and rules.
+
+    Returns:
+      (home, extra): the mesh axes that split the batch everywhere ("batch"), and the
+      further axes that split the cache alone ("cache_batch" beyond them). Both () without
+      a mesh; extra is () when "cache_batch" does not extend the batch's own split.
+    """
+    mesh = context_mesh()
+    if mesh is None:
+        return (), ()
+    rules = context_rules()
+
+    def axes(name):
+        a = spec_for((name,), (batch,), mesh, rules)[0]
+        return () if a is None else (a,) if isinstance(a, str) else tuple(a)
+
+    home, cache = axes("batch"), axes("cache_batch")
+    return home, (cache[len(home) :] if cache[: len(home)] == home else ())
+
+
+def rows_here(x: jax.Array, extra: tuple[str, ...], axis: int = 0) -> jax.Array:
+    """Inside `shard_map`: this device's share of x's rows along `axis`, split over `extra`."""
+    n = int(np.prod([jax.lax.axis_size(a) for a in extra]))
+    size = x.shape[axis] // n
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(extra) * size, size, axis)
+
+
 def placed_rules(params) -> dict:
     """The logical -> mesh axis rules the weights of `params` were placed with.
 
@@ -147,14 +192,22 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=None) -> PartitionSpec:
-    """PartitionSpec of one array; dimensions the mesh axis does not divide stay replicated."""
+    """PartitionSpec of one array.
+
+    A rule names one mesh axis or a tuple of them (split over their product). Mesh axes
+    an earlier dimension of the array already uses are skipped; of a tuple, trailing
+    axes are dropped until the product divides the dimension; a dimension nothing
+    divides stays replicated.
+    """
     rules = RULES if rules is None else rules
-    out = []
+    out, used = [], set()
     for name, dim in zip(axes, shape, strict=True):
-        mesh_axis = rules.get(name) if name is not None else None
-        if mesh_axis is not None and (mesh_axis not in mesh.shape or dim % mesh.shape[mesh_axis] or mesh_axis in out):
-            mesh_axis = None
-        out.append(mesh_axis)
+        rule = rules.get(name) if name is not None else None
+        cand = [a for a in ((rule,) if isinstance(rule, str) else rule or ()) if a in mesh.shape and a not in used]
+        while cand and dim % int(np.prod([mesh.shape[a] for a in cand])):
+            cand.pop()
+        used.update(cand)
+        out.append(None if not cand else cand[0] if isinstance(rule, str) else tuple(cand))
     return PartitionSpec(*out)
 
 

@@ -7,7 +7,8 @@ For each expert storage (bf16, INT4), context and batch, `generate.lower` lowers
 jitted `generate` loop (prefill, then DDTree rounds of `--budget` nodes: draft, tree, verify,
 accept, commit, in the while loop) for KIMI_K2 and a drafter of Kimi-K2.5-DFlash's shape, placed
 on a ("data", "model") = (1, 8) mesh under `sharding.RULES` (heads, experts and vocabulary over
-"model"; the single-stream latent cache replicated over "model"), and compiles it.
+"model"; the latent cache split by sequence when 8 divides the batch, else replicated), and
+compiles it.
 `compiled.memory_analysis()` gives the per-device bytes of the arguments (weights), the output
 and the temporaries (the caches live in the loop state, so they are temporaries). The compiled
 HLO's collectives are counted by kind and by the computation they sit in (a layer scan's body
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import config, model, sharding, weights
-from ddtree_jax.cache import KVCache
+from ddtree_jax.cache import KVCache, cache_spec
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import lower as lower_generate
 
@@ -110,7 +111,11 @@ def plan(
     def shard_bytes(tree):
         return sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(tree))
 
-    latent = cfg.num_hidden_layers * batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    # Per device: split by sequence when the mesh divides the batch (`sharding`: "cache_batch").
+    shape = (cfg.num_hidden_layers, batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    with jax.set_mesh(mesh):
+        cache_sharding = jax.sharding.NamedSharding(mesh, cache_spec(batch))
+    latent = math.prod(cache_sharding.shard_shape(shape)) * 2
     return {
         "what": what,
         "batch": batch,

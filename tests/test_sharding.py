@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from jax.sharding import PartitionSpec as P
     from ddtree_jax import sharding
+    from ddtree_jax.cache import KVCache
     from ddtree_jax.drafters import dflash
     from ddtree_jax.generate import generate
     from tests.conftest import random_target, tiny
@@ -30,7 +31,8 @@ SCRIPT = textwrap.dedent(
     target = random_target(cfg, seed=3)
     dcfg = dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=4, num_key_value_heads=8)
     dparams = dflash.init_params(dcfg, jax.random.PRNGKey(1), std=0.3)
-    prompts = [[5, 17, 33, 2, 9], [250, 1], [7, 7, 7], [1, 2, 3, 4, 5, 6, 7]]
+    # Eight rows: the mesh divides the batch, so the latent cache is split by sequence.
+    prompts = [[5, 17, 33, 2, 9], [250, 1], [7, 7, 7], [1, 2, 3, 4, 5, 6, 7], [9], [40, 41], [3, 1, 4, 1, 5], [8] * 6]
     kw = dict(max_new_tokens=12, stop_token_ids=())
     ref_ar = generate(target, prompts, **kw).to_lists()
     ref_tree = generate(target, dparams, prompts, method="ddtree", tree_budget=6, **kw)
@@ -45,6 +47,10 @@ SCRIPT = textwrap.dedent(
         assert st.lm_head.sharding.spec == P(None, "model")
         assert sd.layers.q.sharding.spec == P(None, None, "model", None)
         assert len(st.embed.addressable_shards) == 8
+        with sharding.use_mesh(mesh):
+            cache = jax.jit(lambda: KVCache.init(cfg, len(prompts), 32))()
+        want = jax.sharding.NamedSharding(mesh, P(None, ("data", "model"), None, None))
+        assert cache.c_kv.sharding.is_equivalent_to(want, 4), cache.c_kv.sharding
         assert generate(st, prompts, **kw).to_lists() == ref_ar, (data, model)
         tree = generate(st, sd, prompts, method="ddtree", tree_budget=6, **kw)
         assert tree.to_lists() == ref_ar, (data, model)
@@ -57,6 +63,7 @@ SCRIPT = textwrap.dedent(
 PALLAS_SCRIPT = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
     from ddtree_jax import sharding
     from ddtree_jax.generate import generate
     from ddtree_jax.pallas.mla_attention import mla_attention
@@ -88,6 +95,17 @@ PALLAS_SCRIPT = textwrap.dedent(
         assert "shard_map" in str(jax.make_jaxpr(mla)(*q, *kv, mask))
         got = mla(*q, *kv, mask)
     np.testing.assert_allclose(got, mla_attention(*q, *kv, mask, scale=0.3), atol=1e-4, rtol=1e-4)
+    # Batch 8: the cache split by sequence, one per device; each device gathers all heads of its
+    # sequence (all-to-all), attends, and sends the heads back.
+    q8 = (f(8, 3, 8, 16), f(8, 3, 8, 4))
+    kv8 = (f(8, 10, 16), f(8, 10, 4), jnp.asarray([0, 1, 2, 3, 7, 8, 9, 10], jnp.int32), f(8, 3, 16), f(8, 3, 4))
+    mask8 = mask[:1].repeat(8, 0)
+    with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(mla)(*q8, *kv8, mask8))
+        got = mla(*q8, *kv8, mask8)
+    assert "P(('data', 'model'), None, None)" in jaxpr and jaxpr.count("all_to_all") >= 3, jaxpr
+    assert got.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("data", None, "model", None)), 4)
+    np.testing.assert_allclose(got, mla_attention(*q8, *kv8, mask8, scale=0.3), atol=1e-4, rtol=1e-4)
 
     # The XLA path's routed experts run expert-parallel by hand too (GSPMD alone all-gathers
     # every expert): weight gather (T * K <= E) and grouped GEMM, dense and INT4.
@@ -113,7 +131,6 @@ PALLAS_SCRIPT = textwrap.dedent(
         assert generate(sharding.shard_target(params, mesh), prompts, numerics="fast", **kw).to_lists() == want
 
     # Custom rules reach the kernels: experts over "data", heads kept whole.
-    from jax.sharding import PartitionSpec as P
     rules = dict(sharding.RULES, experts="data", heads=None)
     custom = sharding.shard_target(target, mesh, rules)
     assert custom.moe_layers.mlp.gate.sharding.spec == P(None, "data", None, None)
@@ -174,6 +191,15 @@ def test_spec_keeps_undividable_dims_replicated():
     fake = type("FakeMesh", (), {"shape": {"data": 2, "model": 8}})()
     assert sharding.spec_for(("heads", "embed"), (12, 64), fake) == PartitionSpec(None, None)
     assert sharding.spec_for(("vocab", "embed"), (16, 64), fake) == PartitionSpec("model", None)
+    # A tuple rule splits over the product, drops trailing axes until it divides, and an axis
+    # one dimension took is not reused.
+    cache = (None, "cache_batch", None, None)
+    assert sharding.spec_for(cache, (2, 16, 8, 4), fake) == PartitionSpec(None, ("data", "model"), None, None)
+    assert sharding.spec_for(cache, (2, 4, 8, 4), fake) == PartitionSpec(None, ("data",), None, None)
+    assert sharding.spec_for(cache, (2, 1, 8, 4), fake) == PartitionSpec(None, None, None, None)
+    q = ("cache_batch", None, "heads", None)
+    assert sharding.spec_for(q, (16, 1, 8, 4), fake) == PartitionSpec(("data", "model"), None, None, None)
+    assert sharding.spec_for(q, (2, 1, 8, 4), fake) == PartitionSpec(("data",), None, "model", None)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(data=3, model=5)
 

@@ -6,6 +6,7 @@ import functools
 
 import chex
 import jax
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
@@ -14,6 +15,14 @@ from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
 AVAILABLE = ("xla", "exact", "pallas")
+
+_AXES = (
+    *[("batch", None, "heads", None)] * 2,  # q_lat, q_pe
+    *[("batch", None, None)] * 2,  # the cache (split further by `cache_split`)
+    ("batch",),
+    *[("batch", None, None)] * 3,  # new entries, new mask
+)
+"""Logical axes of the operands as the model makes them."""
 
 
 def mla_attention(
@@ -55,8 +64,12 @@ def mla_attention(
       span: a static bound on the new tokens' offsets from cache_len ("exact" only);
         default T.
 
+    Under a mesh whose latent cache is split by sequence (`sharding.cache_split`), each
+    device attends for its own sequences with all heads (`_per_sequence`).
+
     Returns:
-      The attention-weighted latent values, float32.
+      The attention-weighted latent values, float32 (rounded to q_lat's dtype when the
+      cache is split by sequence: the heads travel back in it).
     """
     check_implementation(implementation, AVAILABLE, "mla_attention")
     b, t, n, r = q_lat.shape
@@ -73,16 +86,53 @@ def mla_attention(
         if positions is None:
             raise ValueError("mla_attention(implementation='exact') needs the new tokens' positions")
         chex.assert_shape(positions, (b, t))
-        return mla_attention_exact(*args, positions, scale, t if span is None else span)
-    if implementation == "pallas":
-        kernel = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
-        # Per shard: the batch and the query heads as the mesh's rules split them (MQA:
-        # every head reads the whole latent cache, which no rule splits but by batch).
-        axes = [("batch", None, "heads", None)] * 2 + [("batch", None, None)] * 2 + [("batch",)]
-        axes += [("batch", None, None)] * 3
+        span = t if span is None else span
+        fn = lambda *a: mla_attention_exact(*a, scale, span)  # noqa: E731
+        args, axes = (*args, positions), (*_AXES, ("batch", None))
+    elif implementation == "pallas":
+        fn = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
+        axes = _AXES
+    else:
+        fn, axes = functools.partial(mla_attention_reference, scale=scale), _AXES
+    home, extra = sharding.cache_split(b)
+    if extra:  # the cache split by sequence: each device attends for its own sequences
+        return _per_sequence(fn, args, axes, home, extra)
+    if implementation == "pallas" and sharding.context_mesh() is not None:
+        # Per shard: the batch and the query heads as the mesh's rules split them.
         specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
-        if specs[0] is None:
-            return kernel(*args)
         # check_vma=False: pallas_call outputs carry no varying-axes annotation.
-        return jax.shard_map(kernel, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
-    return mla_attention_reference(*args, scale)
+        return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+    return fn(*args)
+
+
+def _per_sequence(fn, args, axes, home, extra):
+    """`fn` in `shard_map` over a latent cache split by sequence over `home` + `extra` axes.
+
+    The queries come split by heads (over `heads_axis`) and the batch over `home`; each
+    device takes its sequences' rows of every operand, gathers all heads of its rows
+    (all-to-all over the heads axis), attends, and sends the heads back.
+    """
+    specs = [sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True)]
+    cache_spec = P(home + extra, None, None)
+    specs[2] = specs[3] = cache_spec
+    heads = specs[0][2]
+    if heads is not None and heads != extra[-1]:
+        raise NotImplementedError(
+            f"a latent cache split by sequence over {extra} needs the query heads split over {extra[-1]!r} "
+            f"or not at all; the rules split them over {heads!r}"
+        )
+    lead = extra[:-1] if heads is not None else extra
+
+    def local(q_lat, q_pe, ckv, kpe, *rest):
+        q = [sharding.rows_here(x, lead) if lead else x for x in (q_lat, q_pe)]
+        if heads is not None:
+            q = [jax.lax.all_to_all(x, heads, 0, 2, tiled=True) for x in q]
+        out = fn(*q, ckv, kpe, *(sharding.rows_here(x, extra) for x in rest))
+        if heads is not None:
+            # Sent in the queries' dtype: the caller rounds to it first thing anyway.
+            sent = jax.lax.all_to_all(out.astype(q_lat.dtype), heads, 2, 0, tiled=True)
+            out = sent.astype(out.dtype)
+        return jax.lax.all_gather(out, lead, axis=0, tiled=True) if lead else out
+
+    # check_vma=False: pallas_call outputs carry no varying-axes annotation.
+    return jax.shard_map(local, in_specs=tuple(specs), out_specs=specs[0], check_vma=False)(*args)
