@@ -297,6 +297,9 @@ def main(argv=None) -> None:
     q.add_argument("dst", help="output directory (pack-quantized, as Kimi-K2.5 ships)")
     q.add_argument("--max-shard-bytes", type=int, default=None, help="split the output into files of this size")
     args = ap.parse_args(argv)
+    from ddtree_jax import compile_cache
+
+    compile_cache.enable()
     commands = {"demo": demo, "generate": generate_cmd, "eval": eval_cmd, "quantize": quantize_cmd}
     if args.command == "demo" and args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")

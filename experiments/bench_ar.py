@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checkpoint, config, model
+from ddtree_jax import checkpoint, compile_cache, config, model
 from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
 
@@ -110,4 +110,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

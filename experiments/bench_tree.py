@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from profile_round import per_call  # experiments/ is on sys.path when a script in it runs
 
-from ddtree_jax import tree
+from ddtree_jax import compile_cache, tree
 
 
 def main():
@@ -67,4 +67,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

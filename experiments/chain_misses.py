@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax import checkpoint, data, evaluation, train
+from ddtree_jax import checkpoint, compile_cache, data, evaluation, train
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.model import logits
@@ -200,4 +200,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checkpoint, config, model, sharding
+from ddtree_jax import checkpoint, compile_cache, config, model, sharding
 from ddtree_jax.drafters import dflash
 from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
@@ -117,4 +117,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

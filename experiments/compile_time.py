@@ -1,45 +1,75 @@
-"""Compile + first-run wall time of `generate` (CPU or GPU), the figure that bounds eval turnaround.
+"""Cold and warm compile time of the shipped pair's `generate` programs (CPU or GPU).
 
-    python experiments/compile_time.py
+    python experiments/compile_time.py --out compile_time.json
 
-Two cases: AR on the shipped target with a batch of 32 prompts of 256 tokens (prefill
-dominated), and ar / dflash / ddtree(64) on a TINY target with a random 2-layer, block-16
-drafter (decode-loop dominated). Each line is one fresh compilation in this process.
+For each program (ar, dflash, ddtree at each `--budgets`; one batch-1 prompt of
+`--prompt-len` tokens, `--max-new-tokens`) in a fresh persistent compilation cache:
+- cold: trace, lower, compile (nothing cached) and run once;
+- warm: after `jax.clear_caches()`, the same call again: trace, lower, load the
+  executable from the persistent cache (`ddtree_jax.compile_cache`) and run once;
+- run: a third call, the compiled program alone.
+cold - run and warm - run are the compile costs a sweep pays per configuration
+without and with the cache.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import tempfile
 import time
 
 import jax
 import numpy as np
 
-from ddtree_jax import model
-from ddtree_jax.config import TINY
-from ddtree_jax.drafters import dflash
+from ddtree_jax import compile_cache
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
 
 
 def timed(fn) -> float:
     t0 = time.perf_counter()
-    fn().tokens.block_until_ready()
+    jax.block_until_ready(fn().tokens)
     return time.perf_counter() - t0
 
 
 def main():
-    print(f"device: {jax.devices()[0].device_kind}")
-    s = load_shipped(dtype="bfloat16", need_drafter=False)
-    prompts = np.random.default_rng(0).integers(4, 8000, size=(32, 256)).astype(np.int32)
-    t = timed(lambda: generate(s.target, prompts, max_new_tokens=8, stop_token_ids=()))
-    print(f"shipped target, ar, batch 32 x 256-token prompts: compile+run {t:.1f} s")
-    target = model.init_params(TINY, jax.random.PRNGKey(0))
-    d = dflash.init_params(dflash.drafter_config_for(TINY, num_hidden_layers=2, block_size=16), jax.random.PRNGKey(1))
-    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 64)):
-        t = timed(
-            lambda m=method, b=budget: generate(target, d, [[1, 2, 3]], method=m, tree_budget=b, max_new_tokens=8)
-        )
-        print(f"TINY target, {method} {budget or ''}: compile+run {t:.1f} s")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--checkpoints", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        compile_cache.enable(folder)
+        if jax.config.jax_compilation_cache_dir != folder:
+            raise SystemExit("error: a compilation cache folder is already configured; unset JAX_COMPILATION_CACHE_DIR")
+        s = load_shipped(args.checkpoints, dtype=args.dtype)
+        ids = np.random.default_rng(0).integers(4, s.target.config.vocab_size, (1, args.prompt_len)).astype(np.int32)
+        kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=())
+        programs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
+        rows = []
+        print(f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}")
+        for method, budget in programs:
+
+            def call(m=method, b=budget):
+                drafter = None if m == "ar" else s.drafter
+                return generate(s.target, drafter, ids, method=m, tree_budget=b, **kw)
+
+            cold = timed(call)
+            jax.clear_caches()
+            warm = timed(call)
+            run = timed(call)
+            rows.append(dict(method=method, budget=budget, cold_s=cold, warm_s=warm, run_s=run))
+            print(f"{method} {budget or ''}: cold {cold:.2f} s, warm {warm:.2f} s, run {run:.3f} s", flush=True)
+        entries = len([f for f in os.listdir(folder) if f.endswith("-cache")])
+    out = {"device": jax.devices()[0].device_kind, "args": vars(args), "cache_entries": entries, "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

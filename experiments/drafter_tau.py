@@ -18,7 +18,7 @@ import json
 
 import jax.numpy as jnp
 
-from ddtree_jax import checkpoint, data, evaluation
+from ddtree_jax import checkpoint, compile_cache, data, evaluation
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
@@ -78,4 +78,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import decode, model, tree
+from ddtree_jax import compile_cache, decode, model, tree
 from ddtree_jax.cache import KVCache
 from ddtree_jax.generate import CACHE_ALIGN, generate
 from ddtree_jax.shipped import load_shipped
@@ -184,4 +184,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

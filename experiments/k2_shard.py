@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import config, model
+from ddtree_jax import compile_cache, config, model
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import dflash
 from ddtree_jax.layers import rms_norm, rope_tables, swiglu
@@ -312,4 +312,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

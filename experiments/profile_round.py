@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import config, decode, model
+from ddtree_jax import compile_cache, config, decode, model
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, dflash
 from ddtree_jax.evaluation import time_call
@@ -180,4 +180,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from ddtree_jax import compile_cache
 from ddtree_jax.evaluation import Totals, bucket, prompt_set, time_call
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
@@ -354,4 +355,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

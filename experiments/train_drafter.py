@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax import checkpoint, train
+from ddtree_jax import checkpoint, compile_cache, train
 from ddtree_jax.config import ConfigError
 from ddtree_jax.data import Tokenizer, prompt_windows
 from ddtree_jax.drafters import dflash
@@ -115,14 +115,6 @@ def main():
     target = checkpoint.load_target(args.target, dtype=jnp.bfloat16)
     if target.config.vocab_size != tok.vocab_size:
         sys.exit(f"error: target vocab {target.config.vocab_size} != tokenizer vocab {tok.vocab_size}")
-    dcfg = dflash.drafter_config_for(
-        target.config,
-        num_hidden_layers=args.layers,
-        block_size=args.block_size,
-        mask_token_id=tok.mask_id,
-        target_layer_ids=tuple(args.taps),
-        intermediate_size=args.intermediate,
-    )
 
     def with_window(cfg):
         if args.sliding_window is None:
@@ -132,7 +124,23 @@ def main():
         except ConfigError as e:
             sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 
-    dcfg = with_window(dcfg)
+    if args.init:  # its config, not --layers / --taps / ...
+        params = dflash.load_drafter(args.init, dtype=jnp.float32)
+        dcfg = with_window(params.config)
+        params = params.replace(config=dcfg)
+        print(f"initialised from {args.init}")
+    else:
+        dcfg = with_window(
+            dflash.drafter_config_for(
+                target.config,
+                num_hidden_layers=args.layers,
+                block_size=args.block_size,
+                mask_token_id=tok.mask_id,
+                target_layer_ids=tuple(args.taps),
+                intermediate_size=args.intermediate,
+            )
+        )
+        params = dflash.init_params(dcfg, jax.random.PRNGKey(args.seed))
     train_stream = np.load(os.path.join(args.data, "train.npy"), mmap_mode="r")
     val_stream = np.load(os.path.join(args.data, "validation.npy"))
 
@@ -162,13 +170,6 @@ def main():
     print(f"distillation data {seqs.shape} in {distill_time:.0f}s")
     eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.eval_prompt_len, seed=1)
 
-    if args.init:
-        params = dflash.load_drafter(args.init, dtype=jnp.float32)
-        dcfg = with_window(params.config)
-        params = params.replace(config=dcfg)
-        print(f"initialised from {args.init}")
-    else:
-        params = dflash.init_params(dcfg, jax.random.PRNGKey(args.seed))
     n, t = seqs.shape
     hi = t - args.block_size
 
@@ -256,4 +257,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

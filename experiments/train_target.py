@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import checkpoint, config, model, train
+from ddtree_jax import checkpoint, compile_cache, config, model, train
 from ddtree_jax.data import Tokenizer
 
 
@@ -153,4 +153,5 @@ def main():
 
 
 if __name__ == "__main__":
+    compile_cache.enable()
     main()

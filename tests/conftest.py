@@ -4,16 +4,41 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
 import pytest
 
-from ddtree_jax import config, model
+from ddtree_jax import compile_cache, config, model
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+_SESSION_CACHE = None
+
+
+def pytest_configure(config):
+    """One persistent compilation cache per test session (unless $DDTREE_JAX_CACHE names one).
+
+    The xdist workers and the experiment scripts the tests run inherit the folder through
+    the environment, so a program compiled once (the shipped pair's loops, a fixture's
+    model) is loaded, not compiled again, by every later process and by this one after
+    `_free_compiled_code` drops it.
+    """
+    global _SESSION_CACHE
+    if "PYTEST_XDIST_WORKER" not in os.environ and compile_cache.ENV not in os.environ:
+        _SESSION_CACHE = tempfile.mkdtemp(prefix="ddtree_jax_xla_")
+        os.environ[compile_cache.ENV] = _SESSION_CACHE
+    compile_cache.enable()
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,3 +118,31 @@ def run_hf_reference(cases: list[dict], workdir: str, script: str = "hf_referenc
         sys.stderr.write(proc.stderr[-5000:])
         pytest.fail(f"{script} failed with exit code {proc.returncode}")
     return [dict(np.load(c["out"])) for c in cases]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A checkpoints folder like `checkpoints/` (target/, drafter/, tokenizer.json) holding a
+    random 2-layer target (one dense, one MoE layer) and a 1-layer block-16 drafter over the
+    shipped tokenizer: the experiment scripts' smoke tests compile it in a fraction of the
+    shipped pair's time."""
+    import shutil
+
+    from ddtree_jax import checkpoint
+    from ddtree_jax.drafters import dflash
+
+    out = tmp_path_factory.mktemp("tiny_pair")
+    shutil.copy(os.path.join(HERE, "..", "checkpoints", "tokenizer.json"), out / "tokenizer.json")
+    with open(os.path.join(HERE, "..", "checkpoints", "target", "config.json")) as f:
+        shipped = json.load(f)
+    cfg = tiny(
+        vocab_size=shipped["vocab_size"],
+        num_hidden_layers=2,
+        max_position_embeddings=shipped["max_position_embeddings"],
+        eos_token_id=shipped["eos_token_id"],
+        bos_token_id=shipped["bos_token_id"],
+    )
+    checkpoint.save_hf(random_target(cfg), out / "target")
+    dcfg = dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=16, mask_token_id=3)
+    dflash.save_drafter_hf(dflash.init_params(dcfg, jax.random.PRNGKey(1), std=0.3), out / "drafter")
+    return out
