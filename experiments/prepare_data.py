@@ -2,21 +2,26 @@
 
 Sources: the Python stdlib, split by file into train / validation / test, and the source of
 the pinned packages in `ddtree_jax.data.TRAIN_PACKAGES` (jax, flax, optax, chex, orbax, numpy),
-which is appended to train only. The tokenizer is trained on the stdlib's train split alone.
+or with --installed of every installed distribution with a permissive licence
+(`ddtree_jax.corpus`), appended to train only. The tokenizer is trained on the stdlib's train
+split alone.
 Writes into --out:
   tokenizer.json                       the tokenizer (`ddtree_jax.data.Tokenizer.load`)
   train.npy, validation.npy, test.npy  uint16 token streams, each file as [bos] + ids + [eos];
                                        train = stdlib train files, then each package's files
   humaneval_prompts.json               the 164 HumanEval prompt strings, in task-id order
+  manifest.json                        with --installed: each package file's distribution,
+                                       version, licence, path and SHA-256, and what was dropped
   stats.json                           files, bytes and tokens per split and per train source,
                                        package versions, wall time
 
-    python experiments/prepare_data.py --out data --vocab-size 8192
+    python experiments/prepare_data.py --out data --vocab-size 8192 [--installed]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -26,7 +31,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from ddtree_jax import data
+from ddtree_jax import corpus, data
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -43,6 +48,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="installed packages whose source joins the train split (none: stdlib only)",
     )
     parser.add_argument(
+        "--installed",
+        action="store_true",
+        help="instead of --packages: every installed distribution with a permissive licence "
+        "(ddtree_jax.corpus: deduplicated, held-out copies and HumanEval prompts removed; manifest.json)",
+    )
+    parser.add_argument(
         "--any-versions",
         action="store_true",
         help="accept package versions other than the pins (the data then differs from the shipped models')",
@@ -51,12 +62,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     try:
-        versions = data.check_package_versions(args.packages, strict=not args.any_versions)
+        versions = {} if args.installed else data.check_package_versions(args.packages, strict=not args.any_versions)
     except ValueError as e:
         parser.error(f"{e} (pass --any-versions to use it anyway)")
     os.makedirs(args.out, exist_ok=True)
     texts = {split: data.read_texts(split, args.root, progress=True) for split in data.SPLITS}
-    extra = {name: data.package_texts(name, progress=True) for name in args.packages}
+    prompts = data.humaneval_prompts()
+    if args.installed:
+        held_out = texts["validation"] + texts["test"]
+        files, report = corpus.collect(prompts, held_out, exclude=("ddtree_jax",), progress=True)
+        extra = {}
+        for f, text in files:
+            extra.setdefault(f.source, []).append(text)
+            versions[f.source] = f.version
+        _write_manifest(os.path.join(args.out, "manifest.json"), files, report, args.root)
+    else:
+        extra = {name: data.package_texts(name, progress=True) for name in args.packages}
     train = tqdm(texts["train"], desc="train tokenizer", unit="file")
     tok = data.train_tokenizer(train, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
     tok.save(os.path.join(args.out, "tokenizer.json"))
@@ -74,7 +95,6 @@ def main(argv: list[str] | None = None) -> dict:
         np.save(os.path.join(args.out, f"{split}.npy"), streams[split])
         splits[split] = _stats(all_texts[split], streams[split])
 
-    prompts = data.humaneval_prompts()
     with open(os.path.join(args.out, "humaneval_prompts.json"), "w") as f:
         json.dump(prompts, f, indent=1)
 
@@ -100,6 +120,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{split:<11}{s['files']:>7}{s['bytes'] / 1e6:>8.2f}{s['tokens']:>12,}{s['bytes_per_token']:>11.3f}")
     print(f"tokenizer trained in {t_tok:.1f} s, total {stats['wall_time_s']:.1f} s")
     return stats
+
+
+def _write_manifest(path: str, files, report: dict, root: str | None) -> None:
+    """Every training file beyond the stdlib: distribution, version, licence, path, SHA-256, bytes."""
+    manifest = {
+        "python": platform.python_version(),
+        "stdlib_root": root or sysconfig.get_paths()["stdlib"],
+        "report": report,
+        "files": [dataclasses.asdict(f) for f, _ in files],
+    }
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=0)
 
 
 def _tokenize(tok: data.Tokenizer, texts: list[str]) -> tuple[np.ndarray, dict]:

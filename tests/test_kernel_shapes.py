@@ -6,6 +6,8 @@ shape full size, compiled. Both compare against the float32 reference on the sam
 bf16 operands.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.moe import bench as moe_bench
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
+from ddtree_jax.pallas.moe.mosaic import moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MOE_SHAPES
 
@@ -48,11 +51,15 @@ def test_mla_kernel_on_named_shapes(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
 @pytest.mark.parametrize("name", list(MOE_SHAPES))
-def test_moe_kernel_on_named_shapes(name):
+def test_moe_kernel_on_named_shapes(name, impl):
+    if impl == "mosaic" and not ON_GPU:
+        pytest.skip("Mosaic GPU on the CPU: tests/test_moe_kernel.py (interpret mode, small shapes)")
     shape = _shape(MOE_SHAPES, name)
     args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
-    got = jax.jit(lambda *a: moe_experts_pallas(*a, interpret=not ON_GPU))(*args).astype(jnp.float32)
+    kernel = moe_experts_mosaic if impl == "mosaic" else functools.partial(moe_experts_pallas, interpret=not ON_GPU)
+    got = jax.jit(kernel)(*args).astype(jnp.float32)
     want = moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)

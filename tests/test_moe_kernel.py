@@ -1,4 +1,4 @@
-"""The Pallas grouped MoE kernel (interpret mode on the CPU) against the dense reference."""
+"""The Pallas grouped MoE kernels (Triton-style and Mosaic GPU, interpret mode on the CPU) against the dense reference."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +6,7 @@ import pytest
 
 from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.kernel import MoETiles, group_by_expert, moe_experts_pallas, num_row_blocks
+from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 
 SMALL_TILES = MoETiles(block_m=16, block_i=16, block_h=16, block_k=16)
@@ -108,3 +109,44 @@ def test_bench_smoke(capsys):
     bench.main(["--smoke", "--reps", "1", "--shapes", "kimi_k2_ep8_tree16"])
     out = capsys.readouterr().out
     assert "| kimi_k2_ep8_tree16 | xla |" in out and "| kimi_k2_ep8_tree16 | pallas |" in out
+
+
+def _mosaic_interpret():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.11
+
+    return InterpretGPUParams()
+
+
+def _bf16_reference(args):
+    """The float32 reference on the kernel's own bf16 operands."""
+    return moe_experts_reference(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args])
+
+
+@pytest.mark.parametrize(
+    ("idx", "tiles"),
+    [
+        # Dropped pairs (-1, experts of other shards) and idle experts; two output tiles, two K steps.
+        ([[0, -1], [3, 1], [1, 3], [-1, -1], [2, 0], [3, 2]], MosaicMoETiles(block_n=32, block_k=32, stages=2)),
+        # Expert 1 takes 70 pairs: its rows span two 64-row blocks; one pipeline slot.
+        ([[1]] * 70 + [[2], [0]], MosaicMoETiles(block_n=64, block_k=16, stages=1)),
+    ],
+)
+def test_mosaic_kernel_matches_reference(idx, tiles):
+    """Mosaic GPU kernels (TMA pipeline, wgmma) in Mosaic GPU's interpret mode, bf16."""
+    args = case(11, len(idx), 4, 64, 64, idx=idx, dtype=jnp.bfloat16)
+    got = moe_experts_mosaic(*args, tiles=tiles, interpret=_mosaic_interpret()).astype(jnp.float32)
+    want = _bf16_reference(args)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    # bf16 operands and a bf16 SwiGLU activation between the two products: a few bf16 ulps.
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+    assert not np.asarray(jnp.isnan(got)).any()
+
+
+def test_mosaic_tiles_and_shapes_are_checked():
+    with pytest.raises(ValueError, match="block_n must be a positive multiple of 16, got 24"):
+        MosaicMoETiles(block_n=24)
+    with pytest.raises(ValueError, match="stages must be >= 1, got 0"):
+        MosaicMoETiles(stages=0)
+    args = case(0, 2, 4, 48, 64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="H=48 to be a multiple of block_n=32"):
+        moe_experts_mosaic(*args, tiles=MosaicMoETiles(block_n=32, block_k=16), interpret=_mosaic_interpret())

@@ -55,4 +55,8 @@ MLA_SHAPES: dict[str, MLAShape] = {
     "kimi_k2_64heads_ar": MLAShape(1, 1, 64, 32768),
     "kimi_k2_64heads_tree64": MLAShape(1, 65, 64, 32768),
 }
-MOE_SHAPES: dict[str, MoEShape] = {f"kimi_k2_ep8_{k}": MoEShape(t) for k, t in TREE_TOKENS.items()}
+MOE_SHAPES: dict[str, MoEShape] = {
+    **{f"kimi_k2_ep8_{k}": MoEShape(t) for k, t in TREE_TOKENS.items()},
+    "kimi_k2_ep8_tree64_batch8": MoEShape(520),
+    "kimi_k2_ep8_prefill8192": MoEShape(8192),
+}

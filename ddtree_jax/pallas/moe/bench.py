@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
 from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
+from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
 from ddtree_jax.pallas.shapes import MOE_SHAPES, MoEShape
 from ddtree_jax.quant import Int4
@@ -50,7 +51,9 @@ def main(argv=None):
     d = MoETiles()
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
-    ap.add_argument("--impl", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas", "xla-int4"])
+    ap.add_argument(
+        "--impl", nargs="+", default=["xla", "pallas", "mosaic"], choices=["xla", "pallas", "mosaic", "xla-int4"]
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block-m", type=int, default=d.block_m)
     ap.add_argument("--block-i", type=int, default=d.block_i)
@@ -67,6 +70,11 @@ def main(argv=None):
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     xla = jax.jit(moe_experts_xla)
     pallas = jax.jit(lambda *a: moe_experts_pallas(*a, tiles=tiles, interpret=args.smoke))
+    mosaic_interpret = None
+    if args.smoke:  # Mosaic GPU's CPU interpreter (a private module of jax 0.11)
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        mosaic_interpret = InterpretGPUParams()
     for name in args.shapes:
         shape = MOE_SHAPES[name].shrink() if args.smoke else MOE_SHAPES[name]
         t, h, i, k = shape.tokens, shape.hidden, shape.inter, shape.top_k
@@ -75,8 +83,12 @@ def main(argv=None):
         flops = 2 * t * k * 3 * h * i
         nbytes = 2 * (used * 3 * h * i + 2 * t * h)
         expected = xla(*x).astype(jnp.float32)
+        # Mosaic tiles: the default, or the largest power of two that divides the shrunk widths.
+        bn = next(b for b in (MosaicMoETiles.block_n, 64, 32, 16) if h % b == 0 and i % b == 0)
+        mtiles = MosaicMoETiles(block_n=bn, block_k=min(MosaicMoETiles.block_k, bn))
+        mosaic = jax.jit(lambda *a, mt=mtiles: moe_experts_mosaic(*a, tiles=mt, interpret=mosaic_interpret))
         for impl in args.impl:
-            fn, operands, weight_bytes = (xla if impl == "xla" else pallas), x, nbytes
+            fn, operands, weight_bytes = {"xla": xla, "pallas": pallas, "mosaic": mosaic}.get(impl, xla), x, nbytes
             if impl == "xla-int4":  # INT4 weights (packed + bf16 scales per 32): 4.5 bits per weight
                 fn, operands = xla, (*x[:3], *(int4.quantize(a) for a in x[3:]))
                 weight_bytes = nbytes - 2 * used * 3 * h * i + used * 3 * h * i * 9 // 16
