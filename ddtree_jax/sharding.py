@@ -111,16 +111,6 @@ def kernel_spec(axes: tuple[str | None, ...], shape: tuple[int, ...]) -> Partiti
     return spec_for(axes, shape, mesh, context_rules())
 
 
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """x with its sharding pinned to the logical `axes` under the current mesh and rules.
-
-    Without a mesh context, x itself. A mesh axis an earlier dimension already uses, or
-    one that does not divide its dimension, leaves that dimension replicated (`spec_for`).
-    """
-    spec = kernel_spec(axes, x.shape)
-    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
-
-
 def cache_split(batch: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """How the latent cache of `batch` sequences is split under the current mesh and rules.
 

@@ -108,9 +108,10 @@ def mla_attention(
 def _per_sequence(fn, args, axes, home, extra):
     """`fn` in `shard_map` over a latent cache split by sequence over `home` + `extra` axes.
 
-    The queries come split by heads (over `heads_axis`) and the batch over `home`; each
-    device takes its sequences' rows of every operand, gathers all heads of its rows
-    (all-to-all over the heads axis), attends, and sends the heads back.
+    The queries come split by heads (over the last `extra` axis, or not at all) and the
+    batch over `home`; each device takes its sequences' rows of every operand, gathers
+    all heads of its rows (all-to-all over the heads' axis), attends, and sends the
+    heads back.
     """
     specs = [sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True)]
     cache_spec = P(home + extra, None, None)

@@ -225,8 +225,14 @@ def moe_experts_pallas(
         interpret=interpret,
     )(block_expert, act, down)  # [NB * BM, H_pad]
 
+    return combine(ys, pos, idx, w, h, x.dtype)
+
+
+def combine(ys: jax.Array, pos: jax.Array, idx: jax.Array, w: jax.Array, h: int, dtype) -> jax.Array:
+    """[T, H]: each token's K rows of the layout's output ys [NB * BM, >= H], weighted by w, summed in float32."""
+    t, k = idx.shape
     y = ys[pos, :h].reshape(t, k, h).astype(jnp.float32)
     # Rows of dropped pairs were never written: select, not multiply (0 * garbage may be NaN).
     y = jnp.where((idx >= 0)[..., None], y, 0.0)
     # An elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
-    return jnp.sum(w.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
+    return jnp.sum(w.astype(jnp.float32)[..., None] * y, axis=1).astype(dtype)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_jax.pallas.moe.kernel import group_by_expert
+from ddtree_jax.pallas.moe.kernel import combine, group_by_expert
 
 BLOCK_M = 64
 """Rows per block: the row tile of one warpgroup's wgmma."""
@@ -140,7 +140,7 @@ def moe_experts_mosaic(
     `interpret`: None compiles for the GPU; Mosaic GPU's `InterpretGPUParams()` runs the
     kernels on the CPU.
     """
-    t, h = x.shape
+    h = x.shape[1]
     e, _, i = gate.shape
     k = idx.shape[1]
     for name, dim in (("H", h), ("I", i)):
@@ -155,7 +155,4 @@ def moe_experts_mosaic(
     xs = jnp.zeros((rows, h), dtype).at[pos].set(jnp.repeat(x.astype(dtype), k, axis=0))  # [NB * BM, H]
     act = _grouped_matmul(_swiglu, i, xs, (gate, up), block_expert, tiles, interpret)  # [NB * BM, I]
     ys = _grouped_matmul(lambda y: y, h, act, (down.astype(dtype),), block_expert, tiles, interpret)
-    y = ys[pos].reshape(t, k, h).astype(jnp.float32)
-    # Rows of dropped pairs were never written: select, not multiply (0 * garbage may be NaN).
-    y = jnp.where((idx >= 0)[..., None], y, 0.0)
-    return jnp.sum(w.astype(jnp.float32)[..., None] * y, axis=1).astype(x.dtype)
+    return combine(ys, pos, idx, w, h, x.dtype)
