@@ -97,7 +97,7 @@ class KVCache:
             s = sharding.rows_here(s, extra)
             return _put(cache_c, c, s), _put(cache_k, k, s)
 
-        spec = cache_spec(b)
+        spec = jax.sharding.PartitionSpec(None, home + extra, None, None)  # = cache_spec(b)
         home_spec = jax.sharding.PartitionSpec(None, home or None, None, None)
         c_kv, k_pe = jax.shard_map(
             local,
