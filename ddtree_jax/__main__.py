@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from ddtree_jax.pallas import IMPLEMENTATIONS
+
 EXPECTED_ERRORS = (ValueError, TypeError, OSError, NotImplementedError)
 """Bad input, missing or unreadable files, unsupported features (ConfigError and
 CheckpointError are ValueErrors): reported as one `error: ...` line."""
@@ -60,6 +62,7 @@ def demo(args) -> None:
         key=jax.random.key(args.seed),
         stop_token_ids=(),
         numerics=args.numerics,
+        implementation=args.implementation,
     )
     print(f"target: {what}; device: {jax.devices()[0].device_kind}")
     t0 = time.perf_counter()
@@ -107,6 +110,7 @@ def _timed_generate(shipped, ids_batch, lengths, args, method, budget, compiled=
         prompt_lengths=lengths,
         stop_token_ids=None if args.stop else (),
         numerics=args.numerics,
+        implementation=args.implementation,
     )
     drafter = None if method == "ar" else shipped.drafter
     signature = (method, budget, tuple(ids_batch.shape))
@@ -247,6 +251,12 @@ def _sampling_args(p) -> None:
 
 def _numerics_args(p) -> None:
     p.add_argument("--numerics", default=None, help="exact or fast (default: exact for float32, fast otherwise)")
+    p.add_argument(
+        "--implementation",
+        default="auto",
+        choices=IMPLEMENTATIONS,
+        help="kernels: auto (Mosaic GPU on a Hopper GPU for bf16, else XLA), xla, pallas, mosaic",
+    )
     p.add_argument("--no-check-finite", action="store_true", help="skip the NaN / Inf check of the loaded weights")
 
 

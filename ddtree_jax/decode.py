@@ -48,7 +48,7 @@ def verify(
     *,
     tap_layers: tuple[int, ...] = (),
     tap_final_norm: bool = True,
-    implementation: str = "xla",
+    implementation: str = "auto",
     numerics: str | None = None,
 ) -> ForwardOutput:
     """One target forward over every tree slot at positions L + depth with the ancestor mask."""
@@ -160,7 +160,7 @@ def step(
     method: str,
     budget: int,
     sampling: SamplingConfig,
-    implementation: str = "xla",
+    implementation: str = "auto",
     numerics: str | None = None,
 ) -> tuple[KVCache, Any, RoundOutput]:
     """One whole round: draft -> build tree -> verify -> accept -> commit.

@@ -334,7 +334,7 @@ def generate(
     prompt_lengths: Sequence[int] | np.ndarray | None = None,
     cache_capacity: int | None = None,
     cache_dtype=None,
-    implementation: str = "xla",
+    implementation: str = "auto",
     numerics: str | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
 ) -> GenerateResult:
@@ -368,12 +368,14 @@ def generate(
         max_new_tokens + draft depth, rounded up to a multiple of 64 (shapes
         alone fix it, so padded batches of one width compile once).
       cache_dtype: latent-cache dtype; default the params' dtype.
-      implementation: "xla", or "pallas" for the Pallas kernels (MLA attention
-        and the routed experts; interpret mode on a CPU backend). With weights
-        placed by `sharding.shard_target`, the kernels run per shard under that
-        mesh: heads and experts over "model", the batch over "data".
+      implementation: "auto" (default: the Mosaic GPU kernels for MLA attention and
+        the routed experts on a Hopper GPU where they take the operands, bf16 / f16,
+        else XLA), "xla", "pallas" (the Triton-lowered kernels) or "mosaic"
+        (`ddtree_jax.pallas.IMPLEMENTATIONS`; kernels run in interpret mode on a CPU
+        backend). With weights placed by `sharding.shard_target`, the kernels run per
+        shard under that mesh: heads and experts over "model", the batch over "data".
       numerics: "exact" or "fast" (`ddtree_jax.numerics`). Default "exact" for
-        float32 weights with implementation="xla": greedy output is then bitwise the
+        float32 weights with implementation "xla" or "auto": greedy output is then bitwise the
         same at any cache capacity, for every method, alone or in a padded batch;
         "fast" otherwise.
       prefill_chunk: prompt tokens per row the prefill forward takes at once (a loop runs

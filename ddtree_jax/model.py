@@ -570,7 +570,7 @@ def forward(
     *,
     tap_layers: Sequence[int] = (),
     tap_final_norm: bool = True,
-    implementation: str = "xla",
+    implementation: str = "auto",
     numerics: str | None = None,
     span: int | None = None,
 ) -> ForwardOutput:
@@ -590,7 +590,7 @@ def forward(
       tap_layers: layer indices whose outputs to return (for the drafter).
       tap_final_norm: the last layer's tap is taken after the final norm, as HF's
         `hidden_states[i + 1]` is (DFlash tooling's convention); False: its raw output.
-      implementation: "xla" or "pallas" for the attention / MoE kernels.
+      implementation: the attention / MoE kernels, as in `generate` ("auto", "xla", "pallas", "mosaic").
       numerics: "exact" or "fast" (numerics.py); default "exact" for float32
         weights on the XLA path. "exact" needs the new tokens a query sees at
         distinct positions in [cache.lengths, cache.lengths + span) (causal and
@@ -684,7 +684,7 @@ def append(
     *,
     tap_layers: Sequence[int] = (),
     tap_final_norm: bool = True,
-    implementation: str = "xla",
+    implementation: str = "auto",
     numerics: str | None = None,
 ) -> tuple[ForwardOutput, KVCache]:
     """Runs `tokens[b, :lengths[b]]` causally after each row's committed cache and commits them.
@@ -717,7 +717,7 @@ def prefill(
     tokens: jax.Array,  # [B, T] right-padded
     lengths: jax.Array,  # [B] valid tokens per row
     *,
-    implementation: str = "xla",
+    implementation: str = "auto",
     numerics: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Appends `tokens[b, :lengths[b]]` after each sequence's committed cache.

@@ -41,16 +41,20 @@ KEY_BLOCK = 64
 
 
 def resolve(numerics: str | None, dtype: Any, implementation: str = "xla") -> str:
-    """The numerics mode to run: `numerics` if given, else "exact" for float32 on the XLA path.
+    """The numerics mode to run: `numerics` if given, else "exact" for float32 on the XLA path
+    ("xla", or "auto", which takes no kernel for float32).
 
     Raises:
       ValueError: an unknown mode, or "exact" with the Pallas kernels.
     """
+    # "auto" takes no kernel for float32 (the kernels compute in bf16 / f16), and
+    # "exact" replaces the ops' dispatch by its own XLA path anyway.
     if numerics is None:
-        return "exact" if implementation == "xla" and jnp.dtype(dtype) == jnp.float32 else "fast"
+        xla = implementation == "xla" or (implementation == "auto" and jnp.dtype(dtype) == jnp.float32)
+        return "exact" if xla and jnp.dtype(dtype) == jnp.float32 else "fast"
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics {numerics!r}; choose one of {NUMERICS}")
-    if numerics == "exact" and implementation != "xla":
+    if numerics == "exact" and implementation not in ("xla", "auto"):
         raise ValueError(f"numerics='exact' runs on the XLA path only, not implementation={implementation!r}")
     return numerics
 

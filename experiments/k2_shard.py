@@ -105,7 +105,7 @@ def expert_bytes(p) -> float:
     return sum(nbytes(q) / q.packed.shape[0] for q in (p.gate, p.up, p.down))
 
 
-def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
+def measure(params, cfg, context: int, t: int, reps: int, key, implementation: str = "auto") -> dict:
     """Device times and bytes of the whole verify and of one layer's stages, at T = t tokens."""
     h = cfg.hidden_size
     cache = KVCache.init(cfg, 1, context, jnp.bfloat16)  # random contents: zeros can time faster
@@ -116,7 +116,7 @@ def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
 
     @jax.jit
     def verify(params, cache, tokens):
-        out = model.forward(params, tokens, positions, cache, mask, numerics="fast")
+        out = model.forward(params, tokens, positions, cache, mask, implementation=implementation, numerics="fast")
         return model.logits(params, out.hidden, numerics="fast"), out.expert_counts
 
     whole, kind = device_time(verify, (params, cache, tokens), reps)
@@ -131,7 +131,9 @@ def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
 
     stages = {
         "attention": (
-            jax.jit(lambda a, x, ckv, kpe: model.mla(cfg, a, x, cos, sin, ckv, kpe, cache.lengths, mask, "xla")[0]),
+            jax.jit(
+                lambda a, x, ckv, kpe: model.mla(cfg, a, x, cos, sin, ckv, kpe, cache.lengths, mask, implementation)[0]
+            ),
             (moe0.attn, x, ckv, kpe),
         ),
         "router": (jax.jit(lambda m, f: model.route(cfg, f, m.router, m.router_bias)), (moe0.mlp, flat)),
@@ -148,7 +150,7 @@ def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
     route, route_args = stages["router"]
     idx, w = route(*route_args)
     stages["routed_experts"] = (
-        jax.jit(lambda m, f, idx, w: moe_experts(f, idx, w, m.gate, m.up, m.down, implementation="xla")),
+        jax.jit(lambda m, f, idx, w: moe_experts(f, idx, w, m.gate, m.up, m.down, implementation=implementation)),
         (moe0.mlp, flat, idx, w),
     )
     times = {name: device_time(fn, args, reps)[0] for name, (fn, args) in stages.items()}
@@ -172,6 +174,7 @@ def measure(params, cfg, context: int, t: int, reps: int, key) -> dict:
         + nbytes(params.unembed)
     )
     return {
+        "implementation": implementation,
         "context": context,
         "tokens": t,
         "timing": kind,
@@ -257,6 +260,11 @@ def main():
     ap.add_argument(
         "--tau-file", required=True, help="`python -m ddtree_jax eval --out` JSON with dflash and ddtree rows"
     )
+    ap.add_argument(
+        "--implementation",
+        default="auto",
+        help="kernels (ddtree_jax.pallas.IMPLEMENTATIONS); auto: Mosaic GPU attention, INT4 experts on XLA",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--reproject", help="recompute only the projection of this earlier --out file (no GPU work)")
     args = ap.parse_args()
@@ -297,7 +305,7 @@ def main():
     rows = []
     for context in args.contexts:
         for t in [1, 16, *(b + 1 for b in args.budgets)]:
-            r = measure(params, cfg, context, t, args.reps, jax.random.PRNGKey(t))
+            r = measure(params, cfg, context, t, args.reps, jax.random.PRNGKey(t), args.implementation)
             r["read_pct_hbm"] = 100 * r["read_gbs"] / args.hbm_gbs
             rows.append(r)
             print(json.dumps(r), flush=True)

@@ -267,3 +267,19 @@ def test_k2_memory_plan_compiles_a_full_width_slice_for_8_devices(tmp_path):
     # The largest all-gather is the drafter's vocabulary-split logits (15 x 8 rows x 163840).
     assert max(row["collective_bytes"].get("all-gather", [0])) <= 15 * 8 * 163840 * 4, row["collective_bytes"]
     assert row["collectives"]["all-gather"] <= 8, row["collectives"]
+
+
+def test_bench_kernels_writes_rows_and_resumes(tmp_path):
+    """The kernel bench in interpret mode (routed experts only, shrunk): every implementation's
+    row, errors against XLA recorded, and a rerun on the same --out measures nothing again."""
+    out = tmp_path / "kernels.json"
+    args = ("--smoke", "--reps", "1", "--only", "moe", "--out", out)
+    r = run_script("bench_kernels.py", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["shape"], row["impl"]) for row in rows} == {
+        (s, i) for s in ("moe_ep8_t1", "moe_ep8_t17") for i in ("xla", "pallas", "mosaic", "xla-int4")
+    }
+    assert all(row["max_abs_err"] < 0.25 and row["ms"] > 0 for row in rows), rows
+    again = run_script("bench_kernels.py", *args)
+    assert again.returncode == 0 and "8 rows" in again.stdout and "| moe_ep8_t1 |" not in again.stdout

@@ -109,3 +109,105 @@ def test_tiles_must_be_powers_of_two():
         MLATiles(num_stages=0)
     with pytest.raises(ValueError, match="num_splits"):
         MLATiles(num_splits=0)
+
+
+# ---- the Mosaic GPU kernel, in Mosaic GPU's interpret mode ----------------------------------
+
+
+def _mosaic(*args, scale, **tiles):
+    from ddtree_jax.pallas import mosaic_interpret
+    from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
+
+    return mla_attention_mosaic(*args, scale=scale, tiles=MosaicMLATiles(**tiles), interpret=mosaic_interpret())
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "n", "s", "lens", "splits"),
+    [
+        (2, 3, 5, 256, [100, 0], 3),  # ragged: a partial last tile, an empty cache, empty splits
+        (1, 1, 128, 128, [128], None),  # AR decode at 128 heads: two query tiles, the full cache
+        (3, 2, 1, 192, [1, 64, 191], 2),  # one head; lengths at and next to tile edges
+    ],
+)
+def test_mosaic_matches_reference(b, t, n, s, lens, splits):
+    rng = np.random.default_rng(b * 10 + t)
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
+    args = case(rng, b, t, n, 128, 64, s, lens, mask)
+    want = mla_attention_reference(*args, 0.05)
+    got = _mosaic(*args, scale=0.05, num_splits=splits)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_mosaic_with_a_real_129_node_tree_in_bf16():
+    """129 tree tokens (query rows past one tile), the mask of a built tree, bf16 operands."""
+    rng = np.random.default_rng(5)
+    logits = jax.random.normal(jax.random.PRNGKey(1), (1, 15, 40))
+    tree = build_ddtree(logits, jnp.zeros((1,), jnp.int32), 128)
+    t = tree.tokens.shape[1]
+    assert t == 129
+    args = case(rng, 1, t, 1, 128, 64, 128, [70], tree.visibility, jnp.bfloat16)
+    want = mla_attention_reference(*args, 0.05)
+    got = _mosaic(*args, scale=0.05, stages=1)
+    # bf16 partial outputs: one bf16 rounding of values of size ~1
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=2e-2)
+
+
+def test_mosaic_shapes_and_tiles_are_checked():
+    from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles
+
+    rng = np.random.default_rng(0)
+    mask = jnp.ones((1, 1, 1), bool)
+    with pytest.raises(ValueError, match="R=64 to be a multiple of 128"):
+        _mosaic(*case(rng, 1, 1, 2, 64, 64, 64, [3], mask), scale=0.1)
+    with pytest.raises(ValueError, match="S=96 to be a multiple of 64"):
+        _mosaic(*case(rng, 1, 1, 2, 128, 64, 96, [3], mask), scale=0.1)
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of 64, got 32"):
+        MosaicMLATiles(block_k=32)
+    with pytest.raises(ValueError, match="stages must be a positive int"):
+        MosaicMLATiles(stages=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        MosaicMLATiles(num_splits=0)
+
+
+def test_generate_with_the_mosaic_kernels():
+    """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
+    interpret mode give the XLA path's tokens."""
+    from ddtree_jax.drafters import OracleDrafter
+    from ddtree_jax.generate import generate
+    from tests.conftest import random_target, tiny
+
+    # Widths the kernels tile: R % 128, P % 64 (attention), H and I % 128 (experts).
+    cfg = tiny(num_hidden_layers=2, hidden_size=128, moe_intermediate_size=128, kv_lora_rank=128, qk_rope_head_dim=64)
+    params = random_target(cfg, seed=4)
+    prompts = [[5, 17, 33, 2], [9]]
+    xla = generate(params, prompts, max_new_tokens=5).to_lists()
+    assert generate(params, prompts, max_new_tokens=5, implementation="mosaic").to_lists() == xla
+    tree = generate(
+        params,
+        OracleDrafter(block_size=3),
+        prompts,
+        method="ddtree",
+        tree_budget=4,
+        max_new_tokens=5,
+        implementation="mosaic",
+    )
+    assert tree.to_lists() == xla
+
+
+def test_auto_takes_the_xla_path_off_hopper_and_for_float32():
+    from ddtree_jax import numerics
+    from ddtree_jax.pallas import on_hopper
+
+    assert not on_hopper()  # the CPU backend
+    rng = np.random.default_rng(2)
+    args = case(rng, 1, 2, 2, 128, 64, 64, [5], jnp.ones((1, 2, 2), bool), jnp.bfloat16)
+    np.testing.assert_array_equal(
+        mla_attention(*args, scale=0.5, implementation="auto"), mla_attention(*args, scale=0.5, implementation="xla")
+    )
+    assert numerics.resolve(None, jnp.float32, "auto") == "exact"
+    assert numerics.resolve(None, jnp.bfloat16, "auto") == "fast"
+    assert numerics.resolve(None, jnp.float32, "mosaic") == "fast"
+    with pytest.raises(ValueError, match="not implementation='mosaic'"):
+        numerics.resolve("exact", jnp.float32, "mosaic")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        mla_attention(*args, scale=0.5, implementation="cuda")

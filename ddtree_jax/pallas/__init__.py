@@ -1,13 +1,37 @@
 """Kernels, each beside its pure-jnp reference (tokamax style).
 
 `ddtree_jax/pallas/<op>/` holds `reference.py` (float32 math, also the XLA
-fallback), `kernel.py` (the kernel and its frozen tile config), `api.py` (one
-dispatch function with `implementation=`) and `bench.py`; `shapes.py` names the
-real shapes that bench and tests share.
+fallback), `kernel.py` (the Triton-lowered kernel and its frozen tile config),
+`mosaic.py` (the Mosaic GPU kernel: TMA, wgmma, warp specialization, and its tiles),
+`api.py` (one dispatch function with `implementation=`) and `bench.py`; `shapes.py`
+names the real shapes that bench and tests share.
 """
 
-IMPLEMENTATIONS = ("xla", "pallas")
-"""What a user picks (`generate(implementation=...)`); an op may have more (mla_attention's "exact")."""
+import jax
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic")
+"""What a user picks (`generate(implementation=...)`); an op may have more (mla_attention's "exact").
+
+"auto": each op takes its Mosaic GPU kernel on a Hopper GPU where the kernel takes the
+operands (bf16 / f16, widths that fit its tiles), and the XLA path otherwise (the CPU,
+float32, shapes the kernel does not tile). "pallas": the Triton-lowered kernels.
+"mosaic": the Mosaic GPU kernels (interpret mode on a CPU backend)."""
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def mosaic_interpret():
+    """None on a GPU (compile the Mosaic GPU kernel), else Mosaic GPU's CPU interpreter."""
+    if jax.default_backend() == "gpu":
+        return None
+    # A private module of jax 0.11 (public API has no Mosaic GPU interpreter yet).
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
 
 
 def check_implementation(implementation: str, available: tuple[str, ...], op: str) -> None:

@@ -6,15 +6,28 @@ import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.mla_attention.exact import mla_attention_exact
 from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
+from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
-AVAILABLE = ("xla", "exact", "pallas")
+AVAILABLE = ("auto", "xla", "exact", "pallas", "mosaic")
+
+
+def _mosaic_takes(q_lat, q_pe, cache_ckv) -> bool:
+    """Whether the Mosaic kernel tiles these operands: a bf16 / f16 cache, R % 128, P % 64, S % block_k."""
+    return (
+        cache_ckv.dtype in (jnp.bfloat16, jnp.float16)
+        and q_lat.shape[-1] % 128 == 0
+        and q_pe.shape[-1] % 64 == 0
+        and cache_ckv.shape[1] % MosaicMLATiles().block_k == 0
+    )
+
 
 _AXES = (
     *[("batch", None, "heads", None)] * 2,  # q_lat, q_pe
@@ -55,9 +68,12 @@ def mla_attention(
         ancestor-or-self matrix for a draft tree).
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
       implementation: "xla" (pure jnp), "exact" (pure jnp in a rounding order fixed
-        by absolute positions, exact.py) or "pallas" (the Triton-style kernel in
-        kernel.py; on a CPU backend it runs in interpret mode; under a mesh
-        context (`sharding.use_mesh`) it runs per shard, batch and heads split by its rules).
+        by absolute positions, exact.py), "pallas" (the Triton-style kernel in
+        kernel.py), "mosaic" (the Mosaic GPU kernel in mosaic.py: a bf16 / f16 cache on
+        the GPU, R % 128, P % 64, S % 64) or "auto" ("mosaic" on a Hopper GPU where it
+        takes the operands, else "xla"). The kernels run in interpret mode on a CPU
+        backend; under a mesh context (`sharding.use_mesh`) per shard, batch and heads
+        split by its rules.
       positions: absolute positions of the new tokens ("exact" only: it orders the
         keys by them). Each query's visible new tokens must sit at distinct positions
         in [cache_len, cache_len + span).
@@ -82,6 +98,8 @@ def mla_attention(
     chex.assert_shape(new_kpe, (b, t, p))
     chex.assert_shape(new_mask, (b, t, t))
     args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
+    if implementation == "auto":
+        implementation = "mosaic" if on_hopper() and _mosaic_takes(q_lat, q_pe, cache_ckv) else "xla"
     if implementation == "exact":
         if positions is None:
             raise ValueError("mla_attention(implementation='exact') needs the new tokens' positions")
@@ -92,12 +110,14 @@ def mla_attention(
     elif implementation == "pallas":
         fn = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
         axes = _AXES
+    elif implementation == "mosaic":
+        fn, axes = functools.partial(mla_attention_mosaic, scale=scale, interpret=mosaic_interpret()), _AXES
     else:
         fn, axes = functools.partial(mla_attention_reference, scale=scale), _AXES
     home, extra = sharding.cache_split(b)
     if extra:  # the cache split by sequence: each device attends for its own sequences
         return _per_sequence(fn, args, axes, home, extra)
-    if implementation == "pallas" and sharding.context_mesh() is not None:
+    if implementation in ("pallas", "mosaic") and sharding.context_mesh() is not None:
         # Per shard: the batch and the query heads as the mesh's rules split them.
         specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
         # check_vma=False: pallas_call outputs carry no varying-axes annotation.

@@ -1,6 +1,6 @@
 """Benchmark absorbed-MLA attention on named real shapes; prints % of the measured H200 peak.
 
-    python -m ddtree_jax.pallas.mla_attention.bench                 # GPU: every shape, xla and pallas
+    python -m ddtree_jax.pallas.mla_attention.bench                 # GPU: every shape, xla, pallas, mosaic
     python -m ddtree_jax.pallas.mla_attention.bench --smoke         # CPU: shrunken shapes, interpret mode
 
 Shapes: `pallas/shapes.py` (MLA_SHAPES), bf16. Times are device time from a profiler
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
 from ddtree_jax.pallas.mla_attention.kernel import MLATiles, mla_attention_pallas
+from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MLAShape
 
@@ -40,11 +41,25 @@ def inputs(shape: MLAShape, key):
     )
 
 
+def cost(shape: MLAShape) -> tuple[int, int]:
+    """(FLOPs, bytes) of one call: scores and values over cache + new keys; the cache,
+    the new entries and the queries read once."""
+    b, t, n, s, r, p = shape.batch, shape.tokens, shape.heads, shape.cache, shape.kv_lora_rank, shape.rope_dim
+    return 2 * b * t * n * (s + t) * (2 * r + p), 2 * b * (s + t) * (r + p) + 2 * b * t * n * (2 * r + p)
+
+
 def main(argv=None):
     d = MLATiles()
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(MLA_SHAPES), choices=list(MLA_SHAPES))
-    ap.add_argument("--impl", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"])
+    ap.add_argument("--impl", nargs="+", default=["xla", "pallas", "mosaic"], choices=["xla", "pallas", "mosaic"])
+    m = MosaicMLATiles()
+    ap.add_argument(
+        "--mosaic-tiles",
+        nargs="+",
+        default=[f"{m.block_k},{m.stages},0"],
+        help="Mosaic tiles to try, each block_k,stages,num_splits (0: chosen per shape)",
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--block-q", type=int, default=d.block_q)
     ap.add_argument("--block-k", type=int, default=d.block_k)
@@ -60,14 +75,25 @@ def main(argv=None):
     pallas = jax.jit(lambda *a: mla_attention_pallas(*a, scale=0.1, tiles=tiles, interpret=args.smoke))
     for name in args.shapes:
         shape = MLA_SHAPES[name].shrink() if args.smoke else MLA_SHAPES[name]
-        b, t, n, s, r, p = shape.batch, shape.tokens, shape.heads, shape.cache, shape.kv_lora_rank, shape.rope_dim
+        r, p = shape.kv_lora_rank, shape.rope_dim
         x = inputs(shape, jax.random.PRNGKey(0))
-        flops = 2 * b * t * n * (s + t) * (2 * r + p)
-        nbytes = 2 * b * (s + t) * (r + p) + 2 * b * t * n * (2 * r + p)
+        flops, nbytes = cost(shape)
         expected = xla(*x)
-        for impl in args.impl:
-            fn = xla if impl == "xla" else pallas
-            sec, timer = device_time(fn, x, args.reps)
+        runs = [(impl, xla if impl == "xla" else pallas) for impl in args.impl if impl != "mosaic"]
+        if "mosaic" in args.impl and args.smoke:
+            print(f"| {name} | mosaic | skipped: the shrunk widths (R={r}, P={p}) are below its tiles |")
+        elif "mosaic" in args.impl:
+            for spec in args.mosaic_tiles:
+                bk, st, ns = (int(v) for v in spec.split(","))
+                mt = MosaicMLATiles(block_k=bk, stages=st, num_splits=ns or None)
+                label = "mosaic" if len(args.mosaic_tiles) == 1 else f"mosaic {bk},{st},{ns}"
+                runs.append((label, jax.jit(lambda *a, mt=mt: mla_attention_mosaic(*a, scale=0.1, tiles=mt))))
+        for impl, fn in runs:
+            try:
+                sec, timer = device_time(fn, x, args.reps)
+            except Exception as err:  # a tile config the compiler rejects: report it, go on
+                print(f"| {name} | {impl} | failed: {type(err).__name__}: {str(err).splitlines()[0][:160]} |")
+                continue
             err = float(jnp.max(jnp.abs(fn(*x) - expected)))
             pct = percent_of_peak(flops, nbytes, sec)
             print(

@@ -10,12 +10,23 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
+from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
 from ddtree_jax.quant import QuantizedArray
 
-AVAILABLE = ("xla", "pallas")
+AVAILABLE = ("auto", "xla", "pallas", "mosaic")
+
+
+def _mosaic_takes(gate, down) -> bool:
+    """Whether the Mosaic kernel tiles these weights: dense bf16 / f16, H and I multiples of its tiles."""
+    if isinstance(gate, QuantizedArray) or isinstance(down, QuantizedArray):
+        return False
+    tiles = MosaicMoETiles()
+    return gate.dtype in (jnp.bfloat16, jnp.float16) and all(
+        d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[1:]
+    )
 
 
 def moe_experts(
@@ -36,18 +47,23 @@ def moe_experts(
       w: their routing weights (already normalised and scaled).
       gate, up, down: stacked expert weights, [in, out] per expert, dense or INT4
         (`quant.QuantizedArray`, "xla" only).
-      implementation: "xla" (weight gather or ragged_dot, see reference.py) or
-        "pallas" (the grouped Triton-style kernel in kernel.py; on a CPU backend
-        it runs in interpret mode). Under a mesh context (`sharding.use_mesh`) whose rules
-        split the "experts" axis, either runs expert-parallel, one shard of experts per device.
+      implementation: "xla" (weight gather or ragged_dot, see reference.py), "pallas"
+        (the grouped Triton-style kernel in kernel.py), "mosaic" (the Mosaic GPU kernel in
+        mosaic.py; dense weights, H and I multiples of its tiles) or "auto" ("mosaic" on a
+        Hopper GPU where it takes the weights, else "xla"). The kernels run in interpret
+        mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
+        split the "experts" axis, each runs expert-parallel, one shard of experts per device.
 
     Returns:
       [T, H] in x's dtype.
     """
     check_implementation(implementation, AVAILABLE, "moe_experts")
-    if isinstance(gate, QuantizedArray) and implementation == "pallas":
+    if implementation == "auto":
+        implementation = "mosaic" if on_hopper() and _mosaic_takes(gate, down) else "xla"
+    if isinstance(gate, QuantizedArray) and implementation in ("pallas", "mosaic"):
         raise NotImplementedError(
-            "moe_experts: INT4 experts run with implementation='xla' (a W4A16 Pallas kernel is not there yet)"
+            f"moe_experts: INT4 experts run with implementation='xla' or 'auto', not {implementation!r} "
+            "(no W4A16 kernel yet)"
         )
     t, h = x.shape
     e, _, i = gate.shape
@@ -60,6 +76,8 @@ def moe_experts(
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
         dropped = -1
+    elif implementation == "mosaic":
+        kernel, dropped = functools.partial(moe_experts_mosaic, interpret=mosaic_interpret()), -1
     else:
         kernel, dropped = moe_experts_xla, None  # None: one past the local experts (sorts last, no group)
     spec = sharding.kernel_spec(("experts", None, None), gate.shape)

@@ -1,6 +1,6 @@
 """Benchmark the routed experts on named real shapes; prints % of the measured H200 peak.
 
-    python -m ddtree_jax.pallas.moe.bench                 # GPU: every shape, xla and pallas
+    python -m ddtree_jax.pallas.moe.bench                 # GPU: every shape, xla, pallas, mosaic
     python -m ddtree_jax.pallas.moe.bench --smoke         # CPU: shrunken shapes, interpret mode
 
 Shapes: `pallas/shapes.py` (MOE_SHAPES), bf16: the 48 local experts of one GPU of an
@@ -47,6 +47,18 @@ def inputs(shape: MoEShape, key):
     )
 
 
+def cost(shape: MoEShape, used: int) -> tuple[int, int]:
+    """(FLOPs, bytes) of one call: the routed work; the `used` experts' bf16 weights, x and the output."""
+    t, h, i, k = shape.tokens, shape.hidden, shape.inter, shape.top_k
+    return 2 * t * k * 3 * h * i, 2 * (used * 3 * h * i + 2 * t * h)
+
+
+def int4_bytes(shape: MoEShape, used: int) -> int:
+    """`cost`'s bytes with the weights in INT4 (packed + a bf16 scale per 32): 4.5 bits each."""
+    weights = used * 3 * shape.hidden * shape.inter
+    return cost(shape, used)[1] - 2 * weights + weights * 9 // 16
+
+
 def main(argv=None):
     d = MoETiles()
     ap = argparse.ArgumentParser()
@@ -61,6 +73,13 @@ def main(argv=None):
     ap.add_argument("--block-k", type=int, default=d.block_k)
     ap.add_argument("--num-warps", type=int, default=d.num_warps)
     ap.add_argument("--num-stages", type=int, default=d.num_stages)
+    m = MosaicMoETiles()
+    ap.add_argument(
+        "--mosaic-tiles",
+        nargs="+",
+        default=[f"{m.block_n},{m.block_k},{m.stages}"],
+        help="Mosaic tiles to try, each block_n,block_k,stages",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
     int4 = Int4(32)
@@ -77,22 +96,36 @@ def main(argv=None):
         mosaic_interpret = InterpretGPUParams()
     for name in args.shapes:
         shape = MOE_SHAPES[name].shrink() if args.smoke else MOE_SHAPES[name]
-        t, h, i, k = shape.tokens, shape.hidden, shape.inter, shape.top_k
+        h, i = shape.hidden, shape.inter
         x = inputs(shape, jax.random.PRNGKey(0))
         used = int(jnp.unique(x[1]).size)  # experts whose weights are read
-        flops = 2 * t * k * 3 * h * i
-        nbytes = 2 * (used * 3 * h * i + 2 * t * h)
+        flops, nbytes = cost(shape, used)
         expected = xla(*x).astype(jnp.float32)
-        # Mosaic tiles: the default, or the largest power of two that divides the shrunk widths.
-        bn = next(b for b in (MosaicMoETiles.block_n, 64, 32, 16) if h % b == 0 and i % b == 0)
-        mtiles = MosaicMoETiles(block_n=bn, block_k=min(MosaicMoETiles.block_k, bn))
-        mosaic = jax.jit(lambda *a, mt=mtiles: moe_experts_mosaic(*a, tiles=mt, interpret=mosaic_interpret))
+        runs = []
         for impl in args.impl:
-            fn, operands, weight_bytes = {"xla": xla, "pallas": pallas, "mosaic": mosaic}.get(impl, xla), x, nbytes
+            if impl != "mosaic":
+                runs.append((impl, {"xla": xla, "pallas": pallas}.get(impl, xla)))
+                continue
+            for spec in args.mosaic_tiles:
+                bn, bk, st = (int(v) for v in spec.split(","))
+                if args.smoke:  # the largest power of two that divides the shrunk widths
+                    bn = next(b for b in (bn, 64, 32, 16) if h % b == 0 and i % b == 0)
+                    bk = min(bk, bn)
+                mt = MosaicMoETiles(block_n=bn, block_k=bk, stages=st)
+                label = "mosaic" if len(args.mosaic_tiles) == 1 else f"mosaic {bn},{bk},{st}"
+                runs.append(
+                    (label, jax.jit(lambda *a, mt=mt: moe_experts_mosaic(*a, tiles=mt, interpret=mosaic_interpret)))
+                )
+        for impl, fn in runs:
+            operands, weight_bytes = x, nbytes
             if impl == "xla-int4":  # INT4 weights (packed + bf16 scales per 32): 4.5 bits per weight
                 fn, operands = xla, (*x[:3], *(int4.quantize(a) for a in x[3:]))
-                weight_bytes = nbytes - 2 * used * 3 * h * i + used * 3 * h * i * 9 // 16
-            sec, timer = device_time(fn, operands, args.reps)
+                weight_bytes = int4_bytes(shape, used)
+            try:
+                sec, timer = device_time(fn, operands, args.reps)
+            except Exception as err:  # a tile config the compiler rejects: report it, go on
+                print(f"| {name} | {impl} | failed: {type(err).__name__}: {str(err).splitlines()[0][:120]} |")
+                continue
             err = float(jnp.max(jnp.abs(fn(*operands).astype(jnp.float32) - expected)))
             pct = percent_of_peak(flops, weight_bytes, sec)
             print(

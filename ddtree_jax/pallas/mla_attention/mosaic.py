@@ -1,0 +1,307 @@
+"""Mosaic GPU (Hopper: TMA, wgmma, warp specialization) absorbed-MLA attention over the cache.
+
+Notation as in reference.py (B batch, T new tokens, N heads, S cache capacity, R latent
+width, P rope width); Q = T * N query rows (row t * N + n is head n of token t), BQ = 64
+rows per query tile (one wgmma row tile), BK cache slots per pipeline step, NS cache
+splits of C slots each, R2 = R / 2.
+
+The cache part runs in one `plgpu.kernel` on a grid (B, Q / BQ, NS) of three warpgroups:
+
+* the memory warpgroup loads the query tile once (q_lat as two [BQ, R2] halves, q_pe)
+  and streams the split's cache tiles, c_kv as two [BK, R2] halves and k_pe, through a
+  TMA ring of `stages` slots; a slot is reloaded when both compute warpgroups released it;
+* each of the two compute warpgroups computes the scores of the whole tile,
+  S = q_lat c_kv^T + q_pe k_pe^T ([BQ, BK], float32), runs the online softmax in
+  registers, and accumulates P @ c_kv[:, its half]: the [BQ, R] float32 accumulator
+  does not fit one warpgroup's registers, so the 512 value columns are split in two
+  (FlashMLA's layout) and both halves come from the same TMA load of the tile.
+
+Each program writes its normalized partial output (in the cache's dtype, through the
+query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
+The new tokens (T keys under the tree or causal mask) form one more partial computed
+in XLA; `_merge` combines all by log-sum-exp. Splits are sized so the grid is about one
+wave of the GPU (`num_splits`). Slots at or past cache_len[b] are masked; whole tiles
+past it are never loaded.
+
+The scores are computed by both compute warpgroups (the QK^T half of the FLOPs twice):
+simple, and free while the cache stream bounds the time (decode); it caps the
+compute-bound case at 1088 / 1664 of the tensor-core rate.
+
+Tested against the reference in Mosaic GPU's interpret mode on the CPU
+(tests/test_mla_kernel.py); timed by ddtree_jax/pallas/mla_attention/bench.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ddtree_jax.pallas.mla_attention.reference import MASK_VALUE
+
+BLOCK_Q = 64
+"""Query rows per tile: the row tile of one warpgroup's wgmma."""
+LOG2E = math.log2(math.e)
+H200_SMS = 132
+"""SMs of an H200: the wave `num_splits` fills where the device does not say (CPU interpret)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMLATiles:
+    """Tiles of `mla_attention_mosaic` (validated on construction).
+
+    Attributes:
+      block_k: cache slots per pipeline step (a multiple of 64: Mosaic GPU infers no
+        layout for the [64, 32] score tile; the cache capacity must be a multiple of it).
+      stages: TMA ring slots in shared memory (block_k * (R + P) * 2 bytes each; with the
+        query tile's 72 KiB, at most 227 KiB in all: 2 slots of 64 at Kimi-K2's widths).
+      num_splits: cache splits; None picks `num_splits`.
+    """
+
+    block_k: int = 64
+    stages: int = 2
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.block_k, int) or self.block_k < 64 or self.block_k % 64:
+            raise ValueError(f"MosaicMLATiles.block_k must be a positive multiple of 64, got {self.block_k!r}")
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"MosaicMLATiles.stages must be a positive int, got {self.stages!r}")
+        if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
+            raise ValueError(f"MosaicMLATiles.num_splits must be None or a positive int, got {self.num_splits!r}")
+
+
+def num_splits(batch: int, query_tiles: int, cache_blocks: int) -> int:
+    """Splits so that batch * query_tiles * splits is about one program per SM, at most one per block."""
+    sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    return max(1, min(cache_blocks, -(-sms // (batch * query_tiles))))
+
+
+def _swizzled(minor: int, dtype):
+    """Tiled, swizzled shared-memory layout (what wgmma reads without bank conflicts)
+    for rows of `minor` elements: the widest swizzle of 32 / 64 / 128 bytes they fill."""
+    width = min(128, minor * jnp.dtype(dtype).itemsize)
+    return plgpu.TilingTransform((8, width // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(width)
+
+
+def _accumulate(acc, a, b_ref, a_smem, interpret):
+    """acc + a @ b_ref by wgmma, a from registers, in place in the accumulator's registers.
+
+    Mosaic GPU's interpreter (jax 0.11.2) takes neither `run_state` nor a register
+    operand, so interpret mode stores `a` to `a_smem` and adds a fresh product: the same
+    sum, by the route the interpreter has.
+    """
+    if interpret is not None:
+        a_smem[...] = a
+        plgpu.commit_smem()
+
+        def product(ref):
+            plgpu.wgmma(ref, a_smem, b_ref)
+            return ref[...]
+
+        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+    def in_place(ref):
+        plgpu.wgmma(ref, a, b_ref)
+
+    return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
+def _cache_partials(q_lat, q_pe, ckv, kpe, lens, *, scale, tiles, interpret):
+    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B]
+    -> (o [B, NS, Qp, R] in the cache dtype, lse [B, NS, Qp] float32, natural log)."""
+    b, qp, r = q_lat.shape
+    s, p = ckv.shape[1], kpe.shape[-1]
+    r2, bk, stages = r // 2, tiles.block_k, tiles.stages
+    nq, blocks = qp // BLOCK_Q, s // bk
+    ns = tiles.num_splits or num_splits(b, nq, blocks)
+    chunk = -(-blocks // ns) * bk
+    dtype = ckv.dtype
+
+    def kernel(lens_ref, ql_ref, qpe_ref, ckv_ref, kpe_ref, o_ref, lse_ref, smem, bars):
+        q_smem, qpe_smem, c_smem, pe_smem, p_smem = smem
+        q_bar, ring_bar, free_bar, done_bar = bars
+        bi, j, k = jax.lax.axis_index("b"), jax.lax.axis_index("q"), jax.lax.axis_index("split")
+        wg = jax.lax.axis_index("wg")
+        rows = pl.ds(j * BLOCK_Q, BLOCK_Q)
+        lo = k * chunk
+        hi = jnp.minimum(lo + chunk, lens_ref[bi])
+        steps = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_bar)
+            f32 = jnp.float32
+            m = plgpu.layout_cast(jnp.full((BLOCK_Q,), MASK_VALUE, f32), plgpu.Layout.WGMMA.reduce(1))
+            denom = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), f32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, r2), f32), plgpu.Layout.WGMMA)
+
+            def step(i, carry):
+                acc, m, denom = carry
+                slot = jax.lax.rem(i, stages)
+                plgpu.barrier_wait(ring_bar.at[slot])
+
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, q_smem.at[0], c_smem.at[slot, 0].T)
+                    plgpu.wgmma(s_ref, q_smem.at[1], c_smem.at[slot, 1].T)
+                    plgpu.wgmma(s_ref, qpe_smem, pe_smem.at[slot].T)
+                    plgpu.wgmma_wait(0)
+                    return s_ref[...]
+
+                sc = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, bk), f32)) * (scale * LOG2E)
+                col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 1, layout=plgpu.Layout.WGMMA)
+                sc = jnp.where(col + (lo + i * bk) < hi, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                prob = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                denom = denom * alpha + prob.sum(axis=1)
+                acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p_here = None if p_smem is None else p_smem.at[wg]
+                acc = _accumulate(acc, prob.astype(dtype), c_smem.at[slot, wg], p_here, interpret)
+                plgpu.barrier_arrive(free_bar.at[slot])
+                return acc, m_new, denom
+
+            acc, m, denom = jax.lax.fori_loop(0, steps, step, (acc, m, denom))
+            # Both warpgroups are done reading the query tile: its halves take the output.
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
+            safe = jnp.where(denom > 0, denom, 1.0)
+            q_smem.at[wg][...] = (acc / jax.lax.broadcast_in_dim(safe, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[bi, k, rows, pl.ds(wg * r2, r2)])
+
+            @pl.when(wg == 0)
+            def _():  # straight from registers: a 256-byte buffer would take 1 KiB of shared memory
+                lse_ref.at[bi, k, rows][...] = jnp.where(denom > 0, (m + jnp.log2(safe)) / LOG2E, -jnp.inf)
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows, pl.ds(h * r2, r2)], q_smem.at[h], q_bar)
+            plgpu.copy_gmem_to_smem(qpe_ref.at[bi, rows], qpe_smem, q_bar)
+
+            def load(i, slot):
+                cache_rows = pl.ds(lo + i * bk, bk)
+                for h in range(2):
+                    plgpu.copy_gmem_to_smem(
+                        ckv_ref.at[bi, cache_rows, pl.ds(h * r2, r2)], c_smem.at[slot, h], ring_bar.at[slot]
+                    )
+                plgpu.copy_gmem_to_smem(kpe_ref.at[bi, cache_rows], pe_smem.at[slot], ring_bar.at[slot])
+
+            for i in range(stages):
+                pl.when(i < steps)(functools.partial(load, i, i))
+
+            @pl.loop(0, steps - stages)
+            def _(i):
+                slot = jax.lax.rem(i, stages)
+                plgpu.barrier_wait(free_bar.at[slot])
+                load(i + stages, slot)
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((2, BLOCK_Q, r2), dtype, transforms=_swizzled(r2, dtype)),
+            plgpu.SMEM((BLOCK_Q, p), dtype, transforms=_swizzled(p, dtype)),
+            plgpu.SMEM((stages, 2, bk, r2), dtype, transforms=_swizzled(r2, dtype)),
+            plgpu.SMEM((stages, bk, p), dtype, transforms=_swizzled(p, dtype)),
+            # P's buffers, for the interpreter only (see `_accumulate`).
+            None if interpret is None else plgpu.SMEM((2, BLOCK_Q, bk), dtype, transforms=_swizzled(bk, dtype)),
+        )
+        bars = (
+            plgpu.Barrier(num_arrivals=3),  # the three query copies
+            plgpu.Barrier(num_arrivals=3, num_barriers=stages),  # a slot's three cache copies
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups released it
+            plgpu.Barrier(num_arrivals=2),  # both done with the query tile
+        )
+        pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), smem, bars, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((b, ns, qp, r), dtype),
+            jax.ShapeDtypeStruct((b, ns, qp), jnp.float32),
+        ),
+        grid=(b, nq, ns),
+        grid_names=("b", "q", "split"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(lens, q_lat, q_pe, ckv, kpe)
+
+
+def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
+    """The new tokens' keys in XLA, float32: (o [B, T, N, R] normalized, lse [B, T, N])."""
+    f32 = jnp.float32
+    s = jnp.einsum("btnr,bur->btnu", q_lat.astype(f32), new_ckv.astype(f32))
+    s += jnp.einsum("btnp,bup->btnu", q_pe.astype(f32), new_kpe.astype(f32))
+    s = jnp.where(new_mask[:, :, None, :], s * scale, MASK_VALUE)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    o = jnp.einsum("btnu,bur->btnr", jnp.exp(s - lse[..., None]), new_ckv.astype(f32))
+    return o, lse
+
+
+def _merge(o, lse, o_new, lse_new):
+    """The cache's partials (o [B, K, T, N, R], lse [B, K, T, N]) and the new tokens'
+    ([B, T, N, R], [B, T, N]) by log-sum-exp -> [B, T, N, R] float32. Empty cache splits
+    (lse = -inf) weigh 0; the new tokens' partial never is empty (a query sees itself)."""
+    top = jnp.maximum(jnp.max(lse, axis=1), lse_new)
+    w, w_new = jnp.exp(lse - top[:, None]), jnp.exp(lse_new - top)
+    # An elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
+    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=1) + w_new[..., None] * o_new
+    return out / (jnp.sum(w, axis=1) + w_new)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def mla_attention_mosaic(
+    q_lat,  # [B, T, N, R]
+    q_pe,  # [B, T, N, P]
+    cache_ckv,  # [B, S, R]
+    cache_kpe,  # [B, S, P]
+    cache_len,  # [B]
+    new_ckv,  # [B, T, R]
+    new_kpe,  # [B, T, P]
+    new_mask,  # [B, T, T]
+    *,
+    scale: float,
+    tiles: MosaicMLATiles = MosaicMLATiles(),
+    interpret=None,
+):
+    """Same contract as `mla_attention_reference`; float32 output [B, T, N, R].
+
+    `interpret`: None compiles for the GPU (bf16 or f16 cache); Mosaic GPU's
+    `InterpretGPUParams()` runs the kernel on the CPU (any float dtype).
+    Needs R a multiple of 128, P of 64, S of tiles.block_k (the error names them).
+    """
+    b, t, n, r = q_lat.shape
+    s, p = cache_ckv.shape[1], q_pe.shape[-1]
+    for name, dim, multiple in (("R", r, 128), ("P", p, 64), ("S", s, tiles.block_k)):
+        if dim % multiple:
+            raise ValueError(f"mla_attention_mosaic needs {name}={dim} to be a multiple of {multiple}")
+    dtype = cache_ckv.dtype
+    if interpret is None and dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"mla_attention_mosaic compiles for a bf16 or f16 cache on the GPU, got {dtype}")
+    q = t * n
+    qp = -(-q // BLOCK_Q) * BLOCK_Q
+
+    def rows(x):  # [B, T, N, X] -> [B, Qp, X]
+        return jnp.pad(x.reshape(b, q, x.shape[-1]).astype(dtype), ((0, 0), (0, qp - q), (0, 0)))
+
+    lens = jnp.clip(cache_len.astype(jnp.int32), 0, s)
+    o, lse = _cache_partials(
+        rows(q_lat), rows(q_pe), cache_ckv, cache_kpe, lens, scale=scale, tiles=tiles, interpret=interpret
+    )
+    ns = o.shape[1]
+    o = o[:, :, :q].reshape(b, ns, t, n, r)
+    lse = lse[:, :, :q].reshape(b, ns, t, n)
+    # The new tokens see the queries as the kernel does: rounded to the cache dtype.
+    o_new, lse_new = _new_partial(q_lat.astype(dtype), q_pe.astype(dtype), new_ckv, new_kpe, new_mask, scale)
+    return _merge(o, lse, o_new, lse_new)
