@@ -1,5 +1,6 @@
 """The Pallas grouped MoE kernels (Triton-style and Mosaic GPU, interpret mode on the CPU) against the dense reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -150,3 +151,18 @@ def test_mosaic_tiles_and_shapes_are_checked():
     args = case(0, 2, 4, 48, 64, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="H=48 to be a multiple of block_n=32"):
         moe_experts_mosaic(*args, tiles=MosaicMoETiles(block_n=32, block_k=16), interpret=_mosaic_interpret())
+
+
+def test_auto_takes_the_mosaic_kernel_only_for_large_dense_experts():
+    from ddtree_jax.pallas.moe.api import _mosaic_takes
+    from ddtree_jax.quant import Int4
+
+    def w(*shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    assert _mosaic_takes(w(48, 7168, 2048), w(48, 2048, 7168))  # an EP-8 shard of Kimi-K2
+    assert not _mosaic_takes(w(8, 256, 128), w(8, 128, 256))  # the shipped pair: launch-bound
+    assert not _mosaic_takes(w(48, 7168, 2048, dtype=jnp.float32), w(48, 2048, 7168, dtype=jnp.float32))
+    assert not _mosaic_takes(w(48, 7168, 2000), w(48, 2000, 7168))  # I not a multiple of the tiles
+    int4 = Int4(32).stored((48, 7168, 2048))
+    assert not _mosaic_takes(int4, Int4(32).stored((48, 2048, 7168)))

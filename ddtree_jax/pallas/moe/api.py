@@ -19,13 +19,23 @@ from ddtree_jax.quant import QuantizedArray
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 
 
+AUTO_MIN_BYTES = 64 * 2**20
+""""auto" takes the Mosaic kernel for routed experts of at least this many bytes (one
+layer's gate + up + down): where streaming the weights sets the time, as on Kimi-K2's
+shapes where it was measured (docs/benchmarks.md). Smaller, launch-bound models (the
+shipped pair's experts are 1.5 MB a layer) keep the XLA path their figures were measured on."""
+
+
 def _mosaic_takes(gate, down) -> bool:
-    """Whether the Mosaic kernel tiles these weights: dense bf16 / f16, H and I multiples of its tiles."""
+    """Whether "auto" takes the Mosaic kernel: dense bf16 / f16 weights, H and I multiples of
+    its tiles, at least `AUTO_MIN_BYTES` of them."""
     if isinstance(gate, QuantizedArray) or isinstance(down, QuantizedArray):
         return False
     tiles = MosaicMoETiles()
-    return gate.dtype in (jnp.bfloat16, jnp.float16) and all(
-        d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[1:]
+    return (
+        gate.dtype in (jnp.bfloat16, jnp.float16)
+        and all(d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[1:])
+        and 3 * gate.size * gate.dtype.itemsize >= AUTO_MIN_BYTES
     )
 
 
@@ -50,7 +60,7 @@ def moe_experts(
       implementation: "xla" (weight gather or ragged_dot, see reference.py), "pallas"
         (the grouped Triton-style kernel in kernel.py), "mosaic" (the Mosaic GPU kernel in
         mosaic.py; dense weights, H and I multiples of its tiles) or "auto" ("mosaic" on a
-        Hopper GPU where it takes the weights, else "xla"). The kernels run in interpret
+        Hopper GPU for dense bf16 / f16 experts it tiles of `AUTO_MIN_BYTES` or more, else "xla"). The kernels run in interpret
         mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
         split the "experts" axis, each runs expert-parallel, one shard of experts per device.
 
