@@ -14,6 +14,7 @@ import pytest
 
 from ddtree_jax.data import Tokenizer
 from ddtree_jax.drafters import dflash
+from tests.conftest import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,7 +241,7 @@ def test_k2_memory_plan_compiles_a_full_width_slice_for_8_devices(tmp_path):
     cache is split by sequence, and no weight or activation is all-gathered (the routed
     experts run expert-parallel; left to GSPMD they were gathered, 2.8 GB each; a sequence
     split left to GSPMD all-gathered activations at every layer)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     out = tmp_path / "plan.json"
     args = ("--layers", "2", "--contexts", "8192", "--batches", "8", "--experts", "int4", "--out", str(out))
     proc = subprocess.run(

@@ -12,7 +12,7 @@ import pytest
 
 from ddtree_jax import config, sharding
 from ddtree_jax.drafters import dflash
-from tests.conftest import tiny
+from tests.conftest import tiny, xla_flags
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -149,7 +149,7 @@ PALLAS_SCRIPT = textwrap.dedent(
 
 
 def _run_on_8_devices(script: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
 
@@ -274,7 +274,7 @@ def test_loading_onto_shards_equals_placing_after_loading(tmp_path):
     for f in (tmp_path / "dense").glob("*.safetensors"):
         with safetensors.safe_open(f, "numpy") as h:
             largest = max(largest, *(h.get_tensor(k).nbytes for k in h.keys()))  # noqa: SIM118 (not a dict)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "LOADED ONTO SHARDS OK" in proc.stdout, proc.stderr[-4000:]
