@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import compile_cache
+from ddtree_jax.pallas import mosaic_interpret
 from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
 from ddtree_jax.pallas.mla_attention import bench as mla_bench
 from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
@@ -95,11 +96,7 @@ def _pow2_keys(ckv, kpe):
 
 
 def mla_impls(shape: MLAShape, smoke: bool):
-    interpret = None
-    if smoke:
-        from ddtree_jax.pallas import mosaic_interpret
-
-        interpret = mosaic_interpret()
+    interpret = mosaic_interpret() if smoke else None
     impls = {
         "xla": jax.jit(lambda *a: mla_attention_reference(*a, SCALE)),
         "pallas": jax.jit(lambda *a: mla_attention_pallas(*a, scale=SCALE, interpret=smoke)),
@@ -141,11 +138,7 @@ def _moe_ragged(x, idx, w, gate, up, down):
 
 
 def moe_impls(smoke: bool):
-    interpret = None
-    if smoke:
-        from ddtree_jax.pallas import mosaic_interpret
-
-        interpret = mosaic_interpret()
+    interpret = mosaic_interpret() if smoke else None
     impls = {
         "xla": jax.jit(moe_experts_xla),
         "pallas": jax.jit(lambda *a: moe_experts_pallas(*a, interpret=smoke)),

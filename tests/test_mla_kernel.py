@@ -68,8 +68,6 @@ def test_kernel_rows_whose_keys_all_lie_in_later_blocks():
 
 
 def test_dispatch_and_generate_with_pallas():
-    from ddtree_jax.drafters import OracleDrafter
-    from ddtree_jax.generate import generate
     from tests.conftest import random_target, tiny
 
     rng = np.random.default_rng(1)
@@ -78,19 +76,19 @@ def test_dispatch_and_generate_with_pallas():
     np.testing.assert_allclose(
         mla_attention(*args, scale=0.5, implementation="pallas"), mla_attention(*args, scale=0.5), atol=1e-5
     )
-    params = random_target(tiny(), seed=2)
+    _greedy_ar_and_ddtree_match_xla(random_target(tiny(), seed=2), "pallas", max_new_tokens=6)
+
+
+def _greedy_ar_and_ddtree_match_xla(params, implementation, max_new_tokens):
+    """Greedy AR and DDTree (oracle drafter) with `implementation` give the XLA path's tokens."""
+    from ddtree_jax.drafters import OracleDrafter
+    from ddtree_jax.generate import generate
+
     prompts = [[5, 17, 33, 2], [9]]
-    xla = generate(params, prompts, max_new_tokens=6).to_lists()
-    assert generate(params, prompts, max_new_tokens=6, implementation="pallas").to_lists() == xla
-    tree = generate(
-        params,
-        OracleDrafter(block_size=3),
-        prompts,
-        method="ddtree",
-        tree_budget=4,
-        max_new_tokens=6,
-        implementation="pallas",
-    )
+    xla = generate(params, prompts, max_new_tokens=max_new_tokens).to_lists()
+    kw = dict(max_new_tokens=max_new_tokens, implementation=implementation)
+    assert generate(params, prompts, **kw).to_lists() == xla
+    tree = generate(params, OracleDrafter(block_size=3), prompts, method="ddtree", tree_budget=4, **kw)
     assert tree.to_lists() == xla
 
 
@@ -174,26 +172,11 @@ def test_mosaic_shapes_and_tiles_are_checked():
 def test_generate_with_the_mosaic_kernels():
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
     interpret mode give the XLA path's tokens."""
-    from ddtree_jax.drafters import OracleDrafter
-    from ddtree_jax.generate import generate
     from tests.conftest import random_target, tiny
 
     # Widths the kernels tile: R % 128, P % 64 (attention), H and I % 128 (experts).
     cfg = tiny(num_hidden_layers=2, hidden_size=128, moe_intermediate_size=128, kv_lora_rank=128, qk_rope_head_dim=64)
-    params = random_target(cfg, seed=4)
-    prompts = [[5, 17, 33, 2], [9]]
-    xla = generate(params, prompts, max_new_tokens=5).to_lists()
-    assert generate(params, prompts, max_new_tokens=5, implementation="mosaic").to_lists() == xla
-    tree = generate(
-        params,
-        OracleDrafter(block_size=3),
-        prompts,
-        method="ddtree",
-        tree_budget=4,
-        max_new_tokens=5,
-        implementation="mosaic",
-    )
-    assert tree.to_lists() == xla
+    _greedy_ar_and_ddtree_match_xla(random_target(cfg, seed=4), "mosaic", max_new_tokens=5)
 
 
 def test_auto_takes_the_xla_path_off_hopper_and_for_float32():

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.pallas import mosaic_interpret
 from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.kernel import MoETiles, group_by_expert, moe_experts_pallas, num_row_blocks
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
@@ -113,12 +114,6 @@ def test_bench_smoke(capsys):
     assert "| kimi_k2_ep8_tree16 | xla |" in out and "| kimi_k2_ep8_tree16 | pallas |" in out
 
 
-def _mosaic_interpret():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # private in jax 0.11
-
-    return InterpretGPUParams()
-
-
 def _bf16_reference(args):
     """The float32 reference on the kernel's own bf16 operands."""
     return moe_experts_reference(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args])
@@ -138,7 +133,7 @@ def _bf16_reference(args):
 def test_mosaic_kernel_matches_reference(idx, tiles):
     """Mosaic GPU kernels (TMA pipeline, wgmma) in Mosaic GPU's interpret mode, bf16."""
     args = case(11, len(idx), max(4, 1 + max(max(row) for row in idx)), 64, 64, idx=idx, dtype=jnp.bfloat16)
-    got = moe_experts_mosaic(*args, tiles=tiles, interpret=_mosaic_interpret()).astype(jnp.float32)
+    got = moe_experts_mosaic(*args, tiles=tiles, interpret=mosaic_interpret()).astype(jnp.float32)
     want = _bf16_reference(args)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     # bf16 operands and a bf16 SwiGLU activation between the two products: a few bf16 ulps.
@@ -153,7 +148,7 @@ def test_mosaic_tiles_and_shapes_are_checked():
         MosaicMoETiles(stages=0)
     args = case(0, 2, 4, 48, 64, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="H=48 to be a multiple of block_n=32"):
-        moe_experts_mosaic(*args, tiles=MosaicMoETiles(block_n=32, block_k=16), interpret=_mosaic_interpret())
+        moe_experts_mosaic(*args, tiles=MosaicMoETiles(block_n=32, block_k=16), interpret=mosaic_interpret())
 
 
 def test_auto_takes_the_mosaic_kernel_only_for_large_dense_experts():

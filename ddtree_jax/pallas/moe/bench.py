@@ -22,6 +22,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.pallas import mosaic_interpret
 from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
 from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
@@ -89,11 +90,7 @@ def main(argv=None):
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     xla = jax.jit(moe_experts_xla)
     pallas = jax.jit(lambda *a: moe_experts_pallas(*a, tiles=tiles, interpret=args.smoke))
-    mosaic_interpret = None
-    if args.smoke:  # Mosaic GPU's CPU interpreter (a private module of jax 0.11)
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        mosaic_interpret = InterpretGPUParams()
+    interpret = mosaic_interpret() if args.smoke else None
     for name in args.shapes:
         shape = MOE_SHAPES[name].shrink() if args.smoke else MOE_SHAPES[name]
         h, i = shape.hidden, shape.inter
@@ -113,9 +110,7 @@ def main(argv=None):
                     bk = min(bk, bn)
                 mt = MosaicMoETiles(block_n=bn, block_k=bk, stages=st)
                 label = "mosaic" if len(args.mosaic_tiles) == 1 else f"mosaic {bn},{bk},{st}"
-                runs.append(
-                    (label, jax.jit(lambda *a, mt=mt: moe_experts_mosaic(*a, tiles=mt, interpret=mosaic_interpret)))
-                )
+                runs.append((label, jax.jit(lambda *a, mt=mt: moe_experts_mosaic(*a, tiles=mt, interpret=interpret))))
         for impl, fn in runs:
             operands, weight_bytes = x, nbytes
             if impl == "xla-int4":  # INT4 weights (packed + bf16 scales per 32): 4.5 bits per weight
