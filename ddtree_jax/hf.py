@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ddtree_jax.checks import check_dtype, nonfinite_message, stored_dtype
-from ddtree_jax.quant import PACK, QuantizedArray
+from ddtree_jax.quant import PACK, QuantizedArray, from_words, to_words
 from ddtree_jax.weights import HFTensor, Weight, identity, is_weight, transpose
 
 __all__ = ["INDEX_FILE", "CheckpointError", "Reader", "hf_tensors", "load_declared", "load_weights", "write"]
@@ -212,8 +212,9 @@ def _blocks(reader: Reader, w: Weight, dtype) -> Callable[[int, tuple[int, ...],
 
 
 def _int4_part(reader: Reader, w: Weight, name: str, part: int) -> np.ndarray:
-    """Packed words [in / 8, out] (part 0, after checking weight_shape) or scales [in / G, out]
-    (part 1) of one pack-quantized Linear named `name` (HF stores both transposed)."""
+    """Grouped int4 values [in / G, out, G] (part 0, after checking weight_shape) or scales
+    [in / G, out] (part 1) of one pack-quantized Linear named `name` (`quant` says how HF
+    stores them)."""
     fan_out, fan_in = w.hf[0].shape
     p_name, s_name, shape_name = _quantized_names(name)
     if part == 1:
@@ -222,7 +223,7 @@ def _int4_part(reader: Reader, w: Weight, name: str, part: int) -> np.ndarray:
     stored = reader.get(shape_name, (2,), np.int64)
     if tuple(int(v) for v in stored) != (fan_out, fan_in):
         raise CheckpointError(f"{shape_name} is {stored.tolist()}, expected [{fan_out}, {fan_in}]")
-    return np.ascontiguousarray(transpose(reader.get(p_name, (fan_out, fan_in // PACK), np.int32)))
+    return from_words(reader.get(p_name, (fan_out, fan_in // PACK), np.int32), w.quant.group_size)
 
 
 def _read(reader: Reader, w: Weight, dtype, sharding=None):
@@ -359,7 +360,7 @@ def _int4_tensors(w: Weight, q: QuantizedArray) -> Iterator[tuple[str, np.ndarra
         for j, name in enumerate(_names(h, layer, _experts(w))):
             p_e, s_e = (p_l[j], s_l[j]) if "{expert}" in h.name else (p_l, s_l)
             p_name, s_name, shape_name = _quantized_names(name)
-            yield p_name, np.ascontiguousarray(transpose(p_e))
+            yield p_name, to_words(p_e)
             yield s_name, np.ascontiguousarray(transpose(s_e))
             yield shape_name, np.asarray(h.shape, np.int64)
 

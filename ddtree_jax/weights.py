@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.checks import check_dtype
-from ddtree_jax.quant import Int4
+from ddtree_jax.quant import Int4, QuantizedArray
 
 INITS = ("normal", "ones", "uniform")
 
@@ -113,7 +113,7 @@ class Weight:
         """The logical axes of each stored array (a QuantizedArray of them when quantized)."""
         if self.quant is None:
             return self.axes
-        return jax.tree.map(lambda _: self.axes, self.quant.stored(self.shape))
+        return QuantizedArray(packed=(*self.axes, None), scale=self.axes)  # packed: [..., In/G, Out, G]
 
     def random(self, key: jax.Array, dtype, std: float):
         """A random weight of the declared kind."""

@@ -12,8 +12,9 @@ alone, no tree keys, queries and keys zero-padded to 1024 wide, see `_mqa`: a pr
 
 Routed experts of one EP-8 shard (48 experts, 7168 -> 2048, top-8, every pair local):
 1 / 17 / 65 / 129 / 520 / 8192 tokens. Implementations: `xla`, `pallas`, `mosaic`,
-`xla-int4` (INT4 weights on the XLA path) and `ragged_dot_mgpu` (jax's Mosaic GPU grouped
-GEMM: gate, up and down as three ragged dots over the pairs sorted by expert).
+`xla-int4` and `mosaic-int4` (the same weights quantized to INT4, group 32, on the XLA path
+and on the W4A16 Mosaic kernel; checked against `xla-int4`) and `ragged_dot_mgpu` (jax's
+Mosaic GPU grouped GEMM: gate, up and down as three ragged dots over the pairs sorted by expert).
 
 Each row: device time (median of --reps calls, inputs rotated past the L2 cache), TFLOP/s,
 GB/s and % of the H200 peaks (`bench_util`), and the largest error against the XLA path
@@ -45,6 +46,7 @@ from ddtree_jax.pallas.moe import bench as moe_bench
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
+from ddtree_jax.pallas.moe.w4a16 import moe_experts_w4a16
 from ddtree_jax.pallas.shapes import MLAShape, MoEShape
 from ddtree_jax.quant import Int4
 
@@ -144,6 +146,7 @@ def moe_impls(smoke: bool):
         "pallas": jax.jit(lambda *a: moe_experts_pallas(*a, interpret=smoke)),
         "mosaic": jax.jit(lambda *a: moe_experts_mosaic(*a, interpret=interpret)),
         "xla-int4": jax.jit(moe_experts_xla),
+        "mosaic-int4": jax.jit(lambda *a: moe_experts_w4a16(*a, interpret=interpret)),
     }
     if not smoke:
         impls["ragged_dot_mgpu"] = jax.jit(_moe_ragged)
@@ -244,12 +247,14 @@ def main(argv=None):
             if all((name, i) in done for i in impls):
                 continue
             expected = impls["xla"](*x).astype(jnp.float32)
+            # INT4 rows: the same weights quantized (group 32), checked against the XLA path on them.
+            x4 = (*x[:3], *(int4.quantize(a) for a in x[3:]))
+            expected4 = impls["xla-int4"](*x4).astype(jnp.float32)
             for impl, fn in impls.items():
-                operands, weight_bytes = x, nbytes
-                if impl == "xla-int4":
-                    operands = (*x[:3], *(int4.quantize(a) for a in x[3:]))
-                    weight_bytes = moe_bench.int4_bytes(shape, used)
-                record(name, impl, fn, operands, flops, weight_bytes, expected, "xla")
+                if impl.endswith("-int4"):
+                    record(name, impl, fn, x4, flops, moe_bench.int4_bytes(shape, used), expected4, "xla-int4")
+                else:
+                    record(name, impl, fn, x, flops, nbytes, expected, "xla")
     print(f"{len(rows)} rows; {time.perf_counter() - start:.0f} s")
 
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import config, model, sharding, weights
+from ddtree_jax import config, model, quant, sharding, weights
 from ddtree_jax.cache import KVCache, cache_spec
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import lower as lower_generate
@@ -109,7 +109,7 @@ def plan(
         by_place[c["computation"]][c["kind"]] += 1
 
     def shard_bytes(tree):
-        return sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(tree))
+        return sum(math.prod(p.sharding.shard_shape(p.shape)) * quant.bits(p.dtype) // 8 for p in jax.tree.leaves(tree))
 
     # Per device: split by sequence when the mesh divides the batch (`sharding`: "cache_batch").
     shape = (cfg.num_hidden_layers, batch, context, cfg.kv_lora_rank + cfg.qk_rope_head_dim)

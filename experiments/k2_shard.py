@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 
 import jax
@@ -42,7 +41,7 @@ from ddtree_jax.drafters import dflash
 from ddtree_jax.layers import rms_norm, rope_tables, swiglu
 from ddtree_jax.pallas.bench_util import device_time
 from ddtree_jax.pallas.moe import moe_experts
-from ddtree_jax.quant import QuantizedArray
+from ddtree_jax.quant import QuantizedArray, nbytes
 
 TP = EP = 8
 
@@ -76,24 +75,18 @@ def drafter_shard_config(vocab: int) -> dflash.DrafterConfig:
 
 
 def random_like(abstract, key, std: float = 0.02):
-    """Device arrays shaped like `abstract`: random int32 words for packed INT4, std * N(0, 1)
+    """Device arrays shaped like `abstract`: uniform int4 values for packed INT4, std * N(0, 1)
     otherwise (norms and INT4 scales included); one leaf per jit, so the peak is one leaf."""
     leaves, treedef = jax.tree.flatten(abstract)
     keys = jax.random.split(key, len(leaves))
     out = []
     for a, k in zip(leaves, keys, strict=True):
-        if a.dtype == jnp.int32:
-            fn = jax.jit(
-                lambda k, a=a: jax.lax.bitcast_convert_type(jax.random.bits(k, a.shape, jnp.uint32), jnp.int32)
-            )
+        if a.dtype == jnp.int4:
+            fn = jax.jit(lambda k, a=a: jax.random.randint(k, a.shape, -8, 8, jnp.int8).astype(jnp.int4))
         else:
             fn = jax.jit(lambda k, a=a: (std * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype))
         out.append(jax.block_until_ready(fn(k)))
     return jax.tree.unflatten(treedef, out)
-
-
-def nbytes(tree) -> int:
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
 def layer_slice(stack, i: int = 0):

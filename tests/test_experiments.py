@@ -279,8 +279,24 @@ def test_bench_kernels_writes_rows_and_resumes(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(row["shape"], row["impl"]) for row in rows} == {
-        (s, i) for s in ("moe_ep8_t1", "moe_ep8_t17") for i in ("xla", "pallas", "mosaic", "xla-int4")
+        (s, i) for s in ("moe_ep8_t1", "moe_ep8_t17") for i in ("xla", "pallas", "mosaic", "xla-int4", "mosaic-int4")
     }
     assert all(row["max_abs_err"] < 0.25 and row["ms"] > 0 for row in rows), rows
+    assert {row["err_vs"] for row in rows if row["impl"].endswith("-int4")} == {"xla-int4"}
     again = run_script("bench_kernels.py", *args)
-    assert again.returncode == 0 and "8 rows" in again.stdout and "| moe_ep8_t1 |" not in again.stdout
+    assert again.returncode == 0 and "10 rows" in again.stdout and "| moe_ep8_t1 |" not in again.stdout
+
+
+def test_sweep_w4a16_rows(tmp_path):
+    """The W4A16 tile sweep in interpret mode (shrunk shard): one row per implementation and tile
+    config, errors against the XLA path, a rejected config reported, not raised."""
+    out = tmp_path / "sweep.json"
+    args = ("--smoke", "--tokens", "3", "--tiles", "n,64,2,2", "16,64,4,1", "--reps", "1", "--out", out)
+    r = run_script("sweep_w4a16.py", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["impl"] for row in rows] == ["mosaic-bf16", "xla-int4", "w4a16 (n,64,2,2)", "w4a16 (16,64,4,1)"]
+    assert rows[1]["rel_err"] == 0.0  # the XLA path on INT4 dequantizes exactly as the reference's copy
+    assert all(row["rel_err"] < 2e-2 and row["ms"] > 0 for row in rows), rows
+    bad = run_script("sweep_w4a16.py", "--smoke", "--tokens", "1", "--tiles", "n,64,3,1", "--reps", "1")
+    assert bad.returncode == 0 and "| w4a16 (n,64,3,1) | failed: ValueError" in bad.stdout, bad.stdout

@@ -171,9 +171,9 @@ def test_full_size_int4_kimi_k2_is_about_the_size_moonshot_ships():
 
     cfg = dataclasses.replace(dj.KIMI_K2, expert_int4_group_size=32)
     shapes = model.abstract_params(cfg)
-    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    nbytes = quant.nbytes(shapes)
     assert 0.55e12 < nbytes < 0.65e12, nbytes
-    assert shapes.moe_layers.mlp.gate.packed.shape == (60, 384, 7168 // 8, 2048)
+    assert shapes.moe_layers.mlp.gate.packed.shape == (60, 384, 7168 // 32, 2048, 32)
 
 
 @pytest.mark.parametrize(

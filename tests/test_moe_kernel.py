@@ -10,6 +10,7 @@ from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.kernel import MoETiles, group_by_expert, moe_experts_pallas, num_row_blocks
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
+from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
 
 SMALL_TILES = MoETiles(block_m=16, block_i=16, block_h=16, block_k=16)
 
@@ -158,9 +159,82 @@ def test_auto_takes_the_mosaic_kernel_only_for_large_dense_experts():
     def w(*shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype)
 
-    assert _mosaic_takes(w(48, 7168, 2048), w(48, 2048, 7168))  # an EP-8 shard of Kimi-K2
-    assert not _mosaic_takes(w(8, 256, 128), w(8, 128, 256))  # the shipped pair: launch-bound
-    assert not _mosaic_takes(w(48, 7168, 2048, dtype=jnp.float32), w(48, 2048, 7168, dtype=jnp.float32))
-    assert not _mosaic_takes(w(48, 7168, 2000), w(48, 2000, 7168))  # I not a multiple of the tiles
-    int4 = Int4(32).stored((48, 7168, 2048))
-    assert not _mosaic_takes(int4, Int4(32).stored((48, 2048, 7168)))
+    def experts(h, i, dtype=jnp.bfloat16):
+        return w(48, h, i, dtype=dtype), w(48, h, i, dtype=dtype), w(48, i, h, dtype=dtype)
+
+    assert _mosaic_takes(*experts(7168, 2048))  # an EP-8 shard of Kimi-K2
+    assert not _mosaic_takes(w(8, 256, 128), w(8, 256, 128), w(8, 128, 256))  # the shipped pair: launch-bound
+    assert not _mosaic_takes(*experts(7168, 2048, jnp.float32))
+    assert not _mosaic_takes(*experts(7168, 2000))  # I not a multiple of the tiles
+    # INT4 experts: the W4A16 kernel only when asked for ("mosaic"); see _mosaic_takes.
+    assert not _mosaic_takes(*([Int4(32).stored((48, 7168, 2048))] * 2 + [Int4(32).stored((48, 2048, 7168))]))
+
+
+def int4_case(seed, idx, e, h, i, group=32):
+    """bf16 x, routing, and INT4 experts (grouped layout)."""
+    from ddtree_jax.quant import Int4
+
+    rng = np.random.default_rng(seed)
+    idx = jnp.asarray(idx, jnp.int32)
+    t = idx.shape[0]
+    q = Int4(group)
+
+    def expert(fan_in, fan_out):
+        return q.quantize(jnp.asarray(rng.normal(size=(e, fan_in, fan_out)) * fan_in**-0.5, jnp.float32))
+
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(size=idx.shape), jnp.float32)
+    return x, idx, w, expert(h, i), expert(h, i), expert(i, h)
+
+
+def _int4_reference(x, idx, w, gate, up, down):
+    """The float32 reference on the kernel's operands: bf16 x, the dequantized INT4 experts."""
+    return moe_experts_reference(x.astype(jnp.float32), idx, w, gate, up, down)
+
+
+def _assert_bf16_close(got, want):
+    # bf16 activations, bf16-rounded dequantized weights and a bf16 SwiGLU activation between the
+    # two products: a few bf16 ulps of the largest output.
+    assert got.shape == want.shape and not np.asarray(jnp.isnan(got)).any()
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("idx", "e", "h", "i", "tiles"),
+    [
+        # Dropped pairs (-1) and idle experts; one group per step, two output tiles of 64, 4 K steps.
+        ([[0, -1], [3, 1], [1, 3], [-1, -1], [2, 0], [3, 2]], 4, 128, 128, W4A16Tiles(groups_per_step=1)),
+        # All 40 tokens on expert 1 (three 16-pair blocks), top-1; 128 output rows a program.
+        ([[1]] * 40, 3, 128, 128, W4A16Tiles(block_t=16, block_o=128, groups_per_step=2, stages=1)),
+        # Top-8 of 8 (Kimi-K2's top-k), 32-pair blocks, H = 192: 6 groups, 3 K steps of 2.
+        ([list(range(8))[r:] + list(range(8))[:r] for r in range(5)], 8, 192, 64, W4A16Tiles(32, 64, 2, 3)),
+    ],
+)
+def test_w4a16_kernel_matches_reference(idx, e, h, i, tiles):
+    """The W4A16 Mosaic GPU kernels (int4 weights as wgmma's A operand) in Mosaic GPU's interpret mode."""
+    args = int4_case(12, idx, e, h, i)
+    got = moe_experts_w4a16(*args, tiles=tiles, interpret=mosaic_interpret()).astype(jnp.float32)
+    _assert_bf16_close(got, _int4_reference(*args))
+
+
+def test_w4a16_tiles_and_shapes_are_checked():
+    with pytest.raises(ValueError, match="block_t must be a multiple of 16 in"):
+        W4A16Tiles(block_t=8)
+    with pytest.raises(ValueError, match="block_o must be 64 or 128, got 32"):
+        W4A16Tiles(block_o=32)
+    with pytest.raises(ValueError, match="groups_per_step must be >= 1"):
+        W4A16Tiles(groups_per_step=0)
+    with pytest.raises(ValueError, match="outputs a multiple of block_o=64"):
+        moe_experts_w4a16(*int4_case(0, [[0]], 2, 128, 96), interpret=mosaic_interpret())
+    with pytest.raises(ValueError, match="groups of a multiple of 32 inputs, got 128 outputs and groups of 16"):
+        moe_experts_w4a16(*int4_case(0, [[0]], 2, 128, 128, group=16), interpret=mosaic_interpret())
+    with pytest.raises(ValueError, match="6 groups, not a multiple of groups_per_step=4"):
+        moe_experts_w4a16(*int4_case(0, [[0]], 2, 192, 128), tiles=W4A16Tiles(groups_per_step=4))
+    with pytest.raises(NotImplementedError, match="not 'pallas'"):
+        moe_experts(*int4_case(0, [[0]], 2, 128, 128), implementation="pallas")
+
+
+def test_w4a16_block_rows_follow_the_pairs_per_expert():
+    t = W4A16Tiles()
+    assert [t.rows_per_block(p, 48) for p in (8, 520, 4160, 65536)] == [16, 16, 128, 128]
+    assert t.rows_per_block(1040, 48) == 32 and W4A16Tiles(block_t=64).rows_per_block(8, 48) == 64

@@ -4,6 +4,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -79,25 +80,26 @@ def test_bad_declarations_are_refused():
 
 
 def test_int4_nibble_order_is_compressed_tensors():
-    """Element 8k + j sits in bits 4j .. 4j+3 of word k, as q + 8."""
-    q = jnp.arange(-8, 8, dtype=jnp.int32).reshape(16, 1)  # one column, two words
-    words = quant.pack_int4(q)
-    assert words.shape == (2, 1) and words.dtype == jnp.int32
-    assert int(np.uint32(np.asarray(words)[0, 0])) == 0x76543210
-    assert int(np.uint32(np.asarray(words)[1, 0])) == 0xFEDCBA98
+    """Checkpoint words: element 8k + j of a row sits in bits 4j .. 4j+3 of word k, as q + 8."""
+    q = np.arange(-8, 8, dtype=np.int8).reshape(16, 1)  # one output, 16 inputs: two words
+    grouped = np.moveaxis(q.reshape(2, 8, 1), -1, -2).astype(ml_dtypes.int4)  # [In/G, Out, G], G = 8
+    words = quant.to_words(grouped)
+    assert words.shape == (1, 2) and words.dtype == np.int32
+    assert int(words.view(np.uint32)[0, 0]) == 0x76543210
+    assert int(words.view(np.uint32)[0, 1]) == 0xFEDCBA98
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.integers(-8, 8, size=(3, 64, 5)), jnp.int32)
-    np.testing.assert_array_equal(quant.unpack_int4(quant.pack_int4(q)), q)
+    q = rng.integers(-8, 8, size=(3, 4, 5, 32)).astype(ml_dtypes.int4)
+    np.testing.assert_array_equal(quant.from_words(quant.to_words(q), 32), q)
 
 
 def test_a_quantized_expert_weight_is_one_declaration():
     """INT4 routed experts: abstract shapes, logical axes, shardings and random init follow from `quant`."""
     w = weights.Weight((8, 64, 16), ("experts", "embed", None), quant=quant.Int4(32))
     stored = w.abstract(jnp.bfloat16)
-    assert stored.packed.shape == (8, 8, 16) and stored.packed.dtype == jnp.int32
+    assert stored.packed.shape == (8, 2, 16, 32) and stored.packed.dtype == jnp.int4
     assert stored.scale.shape == (8, 2, 16) and stored.scale.dtype == jnp.bfloat16
     axes = w.logical_axes()
-    assert axes.packed == axes.scale == ("experts", "embed", None)
+    assert axes.packed == ("experts", "embed", None, None) and axes.scale == ("experts", "embed", None)
     fake = type("FakeMesh", (), {"shape": {"data": 1, "model": 8}})()
     assert sharding.spec_for(axes.packed, stored.packed.shape, fake)[0] == "model"
     q = w.random(jax.random.PRNGKey(0), jnp.float32, std=0.5)

@@ -14,28 +14,35 @@ from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
-from ddtree_jax.quant import QuantizedArray
+from ddtree_jax.pallas.moe.w4a16 import moe_experts_w4a16
+from ddtree_jax.quant import QuantizedArray, nbytes
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 
 
 AUTO_MIN_BYTES = 64 * 2**20
-""""auto" takes the Mosaic kernel for routed experts of at least this many bytes (one
-layer's gate + up + down): where streaming the weights sets the time, as on Kimi-K2's
-shapes where it was measured (docs/benchmarks.md). Smaller, launch-bound models (the
-shipped pair's experts are 1.5 MB a layer) keep the XLA path their figures were measured on."""
+""""auto" takes a Mosaic kernel for routed experts of at least this many bytes (one
+layer's gate + up + down, INT4 ones as stored): where streaming the weights sets the time,
+as on Kimi-K2's shapes where it was measured (docs/benchmarks.md). Smaller, launch-bound
+models (the shipped pair's experts are 1.5 MB a layer) keep the XLA path their figures were
+measured on."""
 
 
-def _mosaic_takes(gate, down) -> bool:
+def _mosaic_takes(gate, up, down) -> bool:
     """Whether "auto" takes the Mosaic kernel: dense bf16 / f16 weights, H and I multiples of
-    its tiles, at least `AUTO_MIN_BYTES` of them."""
-    if isinstance(gate, QuantizedArray) or isinstance(down, QuantizedArray):
+    its tiles, at least `AUTO_MIN_BYTES` of them.
+
+    INT4 experts stay on the XLA path under "auto", though the W4A16 kernel alone runs a
+    Kimi-K2 shard's routed experts 5-10x faster (docs/benchmarks.md): in the model each
+    layer's experts reach the kernel as a slice of the layer stack, which XLA copies into a
+    buffer of its own first, and on the 4-layer K2 shard that made the verify 1.3-5.9x
+    slower than the XLA path (docs/scaling.md). "mosaic" takes the W4A16 kernel.
+    """
+    if nbytes((gate, up, down)) < AUTO_MIN_BYTES or isinstance(gate, QuantizedArray):
         return False
     tiles = MosaicMoETiles()
-    return (
-        gate.dtype in (jnp.bfloat16, jnp.float16)
-        and all(d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[1:])
-        and 3 * gate.size * gate.dtype.itemsize >= AUTO_MIN_BYTES
+    return gate.dtype in (jnp.bfloat16, jnp.float16) and all(
+        d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[1:]
     )
 
 
@@ -56,12 +63,12 @@ def moe_experts(
       idx: the K experts chosen for each token.
       w: their routing weights (already normalised and scaled).
       gate, up, down: stacked expert weights, [in, out] per expert, dense or INT4
-        (`quant.QuantizedArray`, "xla" only).
+        (`quant.QuantizedArray`; not "pallas").
       implementation: "xla" (weight gather or ragged_dot, see reference.py), "pallas"
-        (the grouped Triton-style kernel in kernel.py), "mosaic" (the Mosaic GPU kernel in
-        mosaic.py; dense weights, H and I multiples of its tiles) or "auto" ("mosaic" on a
-        Hopper GPU for dense bf16 / f16 experts it tiles of `AUTO_MIN_BYTES` or more, else "xla"). The kernels run in interpret
-        mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
+        (the grouped Triton-style kernel in kernel.py), "mosaic" (the Mosaic GPU kernels:
+        mosaic.py for dense weights, H and I multiples of its tiles; w4a16.py for INT4 ones,
+        bf16 activations) or "auto" ("mosaic" on a Hopper GPU for dense bf16 / f16 experts it
+        tiles of `AUTO_MIN_BYTES` or more, else "xla": see `_mosaic_takes`). The kernels run in interpret mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
         split the "experts" axis, each runs expert-parallel, one shard of experts per device.
 
     Returns:
@@ -69,11 +76,12 @@ def moe_experts(
     """
     check_implementation(implementation, AVAILABLE, "moe_experts")
     if implementation == "auto":
-        implementation = "mosaic" if on_hopper() and _mosaic_takes(gate, down) else "xla"
-    if isinstance(gate, QuantizedArray) and implementation in ("pallas", "mosaic"):
+        implementation = "mosaic" if on_hopper() and _mosaic_takes(gate, up, down) else "xla"
+    int4 = isinstance(gate, QuantizedArray)
+    if int4 and implementation == "pallas":
         raise NotImplementedError(
-            f"moe_experts: INT4 experts run with implementation='xla' or 'auto', not {implementation!r} "
-            "(no W4A16 kernel yet)"
+            "moe_experts: INT4 experts run with implementation='xla', 'mosaic' or 'auto', not 'pallas' "
+            "(the W4A16 kernel is Mosaic GPU only)"
         )
     t, h = x.shape
     e, _, i = gate.shape
@@ -87,7 +95,10 @@ def moe_experts(
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
         dropped = -1
     elif implementation == "mosaic":
-        kernel, dropped = functools.partial(moe_experts_mosaic, interpret=mosaic_interpret()), -1
+        kernel, dropped = (
+            functools.partial(moe_experts_w4a16 if int4 else moe_experts_mosaic, interpret=mosaic_interpret()),
+            -1,
+        )
     else:
         kernel, dropped = moe_experts_xla, None  # None: one past the local experts (sorts last, no group)
     spec = sharding.kernel_spec(("experts", None, None), gate.shape)
@@ -113,7 +124,7 @@ def _expert_parallel(kernel, axis: str, dropped: int | None):
         y = kernel(x, jnp.where(mine, idx - first, other), jnp.where(mine, w, 0.0), gate, up, down)
         return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
 
-    rep, experts = PartitionSpec(), PartitionSpec(axis, None, None)
+    rep, experts = PartitionSpec(), PartitionSpec(axis)
     specs = (rep, rep, rep, experts, experts, experts)
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)
