@@ -21,7 +21,9 @@ from ddtree_jax.pallas.moe import bench as moe_bench
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
+from ddtree_jax.pallas.moe.w4a16 import moe_experts_w4a16
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MOE_SHAPES
+from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret mode runs the kernel body in Python: the CPU takes a sample.
@@ -58,15 +60,19 @@ def test_mla_kernel_on_named_shapes(name, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "w4a16"])
 @pytest.mark.parametrize("name", list(MOE_SHAPES))
 def test_moe_kernel_on_named_shapes(name, impl):
-    if impl == "mosaic" and not ON_GPU:
+    if impl != "pallas" and not ON_GPU:
         pytest.skip("Mosaic GPU on the CPU: tests/test_moe_kernel.py (interpret mode, small shapes)")
     shape = _shape(MOE_SHAPES, name)
     args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
-    kernel = moe_experts_mosaic if impl == "mosaic" else functools.partial(moe_experts_pallas, interpret=not ON_GPU)
+    if impl == "w4a16":  # the same weights quantized (group 32); the reference dequantizes them
+        args = (*args[:3], *(Int4(32).quantize(a) for a in args[3:]))
+    kernel = {"mosaic": moe_experts_mosaic, "w4a16": moe_experts_w4a16}.get(
+        impl, functools.partial(moe_experts_pallas, interpret=not ON_GPU)
+    )
     got = jax.jit(kernel)(*args).astype(jnp.float32)
-    want = moe_experts_reference(*_f32(args))
+    want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if impl == "w4a16" else moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
