@@ -2,12 +2,13 @@
 
 Notation as in reference.py (T tokens, H hidden, I expert intermediate, E experts, K
 experts per token, G inputs per scale group); BT (token, expert) pairs per row block, NB
-row blocks, BO = 64 output rows per program, BK the contraction chunk of one pipeline step.
+row blocks, BO output rows per program (64 or 128), BK the contraction chunk of one pipeline
+step (`W4A16Tiles`).
 
 Weights come in the grouped INT4 layout of `quant.QuantizedArray`: values [E, In / G, Out, G]
 int4 (signed) and scales [E, In / G, Out]. The products are computed transposed ("swap AB"):
 the weights are wgmma's A operand, [BO, G] per group, and the tokens its B operand, so a row
-block is as small as 8 pairs (wgmma's N) rather than the 64 rows of wgmma's M.
+block is as small as 16 pairs (wgmma's N) rather than the 64 rows of wgmma's M.
 
 * gate / up, grid (NB, I / BO): program (b, j) streams, through a TMA pipeline of `stages`
   slots, the [BK / G, BO, G] int4 chunks of gate[e] and up[e] for its output rows, their
@@ -15,14 +16,23 @@ block is as small as 8 pairs (wgmma's N) rather than the 64 rows of wgmma's M.
   converts it to bf16 and multiplies each row by its scale (the same rounding as the
   reference's dequantization: the product of an int4 and a bf16 is exact in float32), and
   accumulates W^T x^T into a [BO, BT] float32 accumulator with wgmma (A from registers,
-  B = x^T from shared memory). The epilogue stores silu(g) * u transposed, act^T [NB, I, BT].
-* down, grid (NB, H / BO): down[e]^T act_b^T the same way, y^T [NB, H, BT].
+  B = x^T, a transposed view of the K-major token tile in shared memory). The epilogue stores
+  silu(g) * u in the accumulators' orientation, act^T [NB, I, BT].
+* down, grid (NB, H / BO): down[e]^T act_b^T the same way (B = act^T's [BK, BT] tile), y^T
+  [NB, H, BT], transposed back in XLA.
+
+The token tiles use a swizzle of at most 64 bytes, since wgmma steps through K in units of
+the swizzle's width and each step is one group of 32 inputs; so G is a multiple of 32, BT a
+multiple of 16 (a 32-byte row of act^T), outputs a multiple of BO.
 
 Blocks of e = -1 (dropped pairs, or past the used ones) skip everything; no later step reads
 their rows. The combine (each token's K rows weighted by w, float32) runs in XLA.
 
-Tested against the reference in Mosaic GPU's interpret mode on the CPU (tests/test_moe_kernel.py);
-timed by ddtree_jax/pallas/moe/bench.py and experiments/bench_kernels.py on the GPU.
+Mosaic GPU's interpreter (jax 0.11.2) takes no register operand for wgmma: in interpret mode
+each dequantized tile goes through shared memory first; the compiled kernel keeps it in
+registers. Tested against the reference in interpret mode on the CPU (tests/test_moe_kernel.py)
+and compiled under the gpu marker (tests/test_kernel_shapes.py); timed by
+experiments/sweep_w4a16.py and experiments/bench_kernels.py on the GPU.
 """
 
 from __future__ import annotations
