@@ -300,3 +300,32 @@ def test_sweep_w4a16_rows(tmp_path):
     assert all(row["rel_err"] < 2e-2 and row["ms"] > 0 for row in rows), rows
     bad = run_script("sweep_w4a16.py", "--smoke", "--tokens", "1", "--tiles", "n,64,3,1", "--reps", "1")
     assert bad.returncode == 0 and "| w4a16 (n,64,3,1) | failed: ValueError" in bad.stdout, bad.stdout
+
+
+def test_moe_layer_stack_rows_and_hlo_counts(tmp_path):
+    """The layer-stack probe in interpret mode: every (impl, loop) row computes the same layers
+    (XLA exactly; the bf16 kernel within bf16 rounding), HLO move counts for the jitted loops."""
+    out = tmp_path / "stack.json"
+    r = run_script(
+        "moe_layer_stack.py",
+        "--smoke",
+        "--layers",
+        "2",
+        "--tokens",
+        "3",
+        "--weights",
+        "int4",
+        "--reps",
+        "1",
+        "--out",
+        out,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["impl"], row["loop"]) for row in rows] == [
+        (i, lp) for i in ("xla", "mosaic") for lp in ("alone", "scan", "unrolled")
+    ]
+    assert all(row["ms"] > 0 for row in rows)
+    assert all(row["rel_err"] < (1e-6 if row["impl"] == "xla" else 3e-2) for row in rows), rows
+    assert all(row["hlo"] == {} for row in rows if row["loop"] == "alone")
+    assert all(row["hlo"] for row in rows if row["loop"] != "alone")  # XLA:CPU slices the stacks too
