@@ -15,6 +15,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax import quant
 from ddtree_jax.evaluation import time_call
 
 PEAK_FLOPS = 797e12
@@ -50,7 +51,7 @@ def _rotations(args) -> int:
     """Copies of `args` whose total exceeds twice the L2 cache (at most 8; 1 off the GPU)."""
     if jax.default_backend() != "gpu":
         return 1
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(args) if hasattr(x, "nbytes"))
+    nbytes = quant.nbytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.Array)])  # int4 at half a byte
     return max(1, min(8, -(-2 * L2_BYTES // max(nbytes, 1))))
 
 
