@@ -79,8 +79,19 @@ def test_commit_moves_path_entries_to_their_slots():
 
 # ---------------------------------------------------------------------------------
 # Greedy exactness: DDTree == DFlash == AR, token for token.
+#
+# XLA:CPU compiles each static configuration of the generate loop (method, budget, drafter,
+# batch, prompt width, max_new_tokens) once, and the compile is what these tests wait for. So:
+# every prompt is padded to one width (W), the tests share configurations where they check
+# different things (the oracle's full blocks and the stop-token test; a batch of SWEEP and the
+# batch-vs-alone test), and their AR references all come from one batched AR run (`greedy`):
+# float32 greedy tokens are bitwise independent of batch and cache capacity (test_numerics), so
+# a row's AR tokens there are its AR tokens anywhere, and the first m of M_REF are those of a
+# run to m.
 
 TARGET_CFG = tiny(num_hidden_layers=3, first_k_dense_replace=1)
+W = 11  # the padded prompt width: prompts_for makes 1 .. 11 tokens
+M_REF = 30  # the longest run of any test below
 
 
 @pytest.fixture(scope="module")
@@ -98,30 +109,59 @@ def prompts_for(batch, seed):
     return [rng.integers(0, TARGET_CFG.vocab_size, int(n)).tolist() for n in rng.integers(1, 12, batch)]
 
 
+def run(target, drafter, prompts, **kw):
+    """`generate` on `prompts` right-padded to width W (drafter None: AR)."""
+    ids = np.zeros((len(prompts), W), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    return generate(target, drafter, ids, prompt_lengths=[len(p) for p in prompts], **kw)
+
+
 # (batch, block size, budgets): budgets from 1 to 257 (more nodes than the 256-token vocabulary), block
 # sizes 2 / 4 / 16, batches 1-3, in few compiles.
 SWEEP = [(1, 2, (1, 64)), (2, 4, (2, 257)), (3, 16, (15, 64))]
+PROMPTS = {
+    **{f"sweep{bs}": prompts_for(batch, seed=batch * 100 + bs) for batch, bs, _ in SWEEP},
+    "noisy4": prompts_for(4, seed=4),
+    "noisy16": prompts_for(4, seed=16),
+    "step": [[5, 17, 33, 2], [250, 1], [7, 7, 7]],
+    "oracle": prompts_for(3, seed=7),
+    "rejected": prompts_for(2, seed=8),
+    "rows": prompts_for(3, seed=9),
+    "stop": prompts_for(3, seed=10),
+    "smaller": prompts_for(2, seed=11),
+}
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    """greedy(name, m): the AR tokens of PROMPTS[name] to m new tokens, from one batched run."""
+    rows = [p for prompts in PROMPTS.values() for p in prompts]
+    out = iter(run(target, None, rows, max_new_tokens=M_REF, stop_token_ids=()).to_lists())
+    ref = {name: [next(out) for _ in prompts] for name, prompts in PROMPTS.items()}
+    return lambda name, m: [row[:m] for row in ref[name]]
 
 
 @pytest.mark.parametrize(("batch", "bs", "budgets"), SWEEP)
-def test_ddtree_equals_dflash_equals_ar_greedy(target, batch, bs, budgets):
-    prompts = prompts_for(batch, seed=batch * 100 + bs)
+def test_ddtree_equals_dflash_equals_ar_greedy(target, greedy, batch, bs, budgets):
+    prompts = PROMPTS[f"sweep{bs}"]
+    assert len(prompts) == batch
     m = 24
-    ar = generate(target, prompts, max_new_tokens=m, stop_token_ids=()).to_lists()
+    ar = greedy(f"sweep{bs}", m)
     d = dflash_drafter(bs, seed=bs)
-    assert generate(target, d, prompts, method="dflash", max_new_tokens=m, stop_token_ids=()).to_lists() == ar
+    assert run(target, d, prompts, method="dflash", max_new_tokens=m, stop_token_ids=()).to_lists() == ar
     for budget in budgets:
-        res = generate(target, d, prompts, method="ddtree", tree_budget=budget, max_new_tokens=m, stop_token_ids=())
+        res = run(target, d, prompts, method="ddtree", tree_budget=budget, max_new_tokens=m, stop_token_ids=())
         assert res.to_lists() == ar, budget
 
 
 @pytest.mark.parametrize("bs", [4, 16])
-def test_partially_right_drafter_advances_rows_unevenly_and_stays_exact(target, bs):
-    prompts = prompts_for(4, seed=bs)
+def test_partially_right_drafter_advances_rows_unevenly_and_stays_exact(target, greedy, bs):
+    prompts = PROMPTS[f"noisy{bs}"]
     noisy = OracleDrafter(block_size=bs, confidence=3.0, noise=2.0)
-    ar = generate(target, prompts, max_new_tokens=30, stop_token_ids=()).to_lists()
-    chain = generate(target, noisy, prompts, method="dflash", max_new_tokens=30, stop_token_ids=())
-    res = generate(target, noisy, prompts, method="ddtree", tree_budget=32, max_new_tokens=30, stop_token_ids=())
+    ar = greedy(f"noisy{bs}", 30)
+    chain = run(target, noisy, prompts, method="dflash", max_new_tokens=30, stop_token_ids=())
+    res = run(target, noisy, prompts, method="ddtree", tree_budget=32, max_new_tokens=30, stop_token_ids=())
     assert res.to_lists() == ar and chain.to_lists() == ar
     acc = np.asarray(res.accept_lengths)
     first_round = acc[0]
@@ -130,7 +170,7 @@ def test_partially_right_drafter_advances_rows_unevenly_and_stays_exact(target, 
         assert res.tau > chain.tau  # the tree recovers what the noisy top-1 chain misses
 
 
-def test_step_is_the_whole_round_and_leaves_inactive_rows_alone(target):
+def test_step_is_the_whole_round_and_leaves_inactive_rows_alone(target, greedy):
     """decode.step with a DFlash drafter: both caches of an active row advance by what it
     accepted; the inactive row's cache, drafter context and length are untouched."""
     from ddtree_jax import model
@@ -141,15 +181,20 @@ def test_step_is_the_whole_round_and_leaves_inactive_rows_alone(target):
     d = dflash.DFlashDrafter(params=dflash_drafter(bs), block_size=bs)
     prompts = jnp.asarray([[5, 17, 33, 2], [250, 1, 9, 9], [7, 7, 7, 7]], jnp.int32)
     lengths = jnp.asarray([4, 2, 3], jnp.int32)
-    cache = KVCache.init(target.config, 3, 64)
-    out, cache = model.append(target, cache, prompts, lengths, tap_layers=d.tap_layers)
-    idx = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (3, 4))
-    state = d.observe(d.init_state(target, 3, 64), out.taps, idx, idx < lengths[:, None])
-    roots = jnp.argmax(model.logits(target, out.hidden[jnp.arange(3), lengths - 1]), -1).astype(jnp.int32)
     active = jnp.asarray([True, False, True])
     key = jax.random.PRNGKey(0)
-    kw = dict(method="ddtree", budget=8, sampling=SamplingConfig())
-    new_cache, new_state, r = decode.step(target, d, cache, state, roots, active, key, key, **kw)
+
+    @jax.jit  # one compile of the prefill and the round (op by op, each op compiles alone)
+    def prefill_and_step(target, d):
+        cache = KVCache.init(target.config, 3, 64)
+        out, cache = model.append(target, cache, prompts, lengths, tap_layers=d.tap_layers)
+        idx = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (3, 4))
+        state = d.observe(d.init_state(target, 3, 64), out.taps, idx, idx < lengths[:, None])
+        roots = jnp.argmax(model.logits(target, out.hidden[jnp.arange(3), lengths - 1]), -1).astype(jnp.int32)
+        kw = dict(method="ddtree", budget=8, sampling=SamplingConfig())
+        return cache, state, roots, decode.step(target, d, cache, state, roots, active, key, key, **kw)
+
+    cache, state, roots, (new_cache, new_state, r) = prefill_and_step(target, d)
     assert r.tokens.shape == (3, bs) and r.first_nonfinite.tolist() == [bs] * 3
     assert not bool(jnp.any(r.draft_nonfinite))
     adv = np.asarray(new_cache.lengths - cache.lengths)
@@ -158,30 +203,40 @@ def test_step_is_the_whole_round_and_leaves_inactive_rows_alone(target):
     np.testing.assert_array_equal(new_cache.c_kv[:, 1], cache.c_kv[:, 1])
     np.testing.assert_array_equal(new_state.k[:, 1], state.k[:, 1])
     # Its tokens are the target's greedy continuation, bonus included.
-    ar = generate(target, [[5, 17, 33, 2], [250, 1], [7, 7, 7]], max_new_tokens=1 + bs, stop_token_ids=())
+    ar = greedy("step", 1 + bs)
     for row in (0, 2):
         a = int(r.length[row])
-        assert [int(roots[row]), *np.asarray(r.tokens[row, :a]).tolist()] == ar.to_lists()[row][: a + 1]
+        assert [int(roots[row]), *np.asarray(r.tokens[row, :a]).tolist()] == ar[row][: a + 1]
 
 
-def test_oracle_accepts_full_blocks(target):
-    bs, m = 5, 1 + 4 * 5
-    prompts = prompts_for(3, seed=7)
+# The oracle test and the stop-token test share the oracle's configuration (block 6, budget 10,
+# batch 3) and one max_new_tokens, 20 = 1 + 3 full blocks + 1 token of a fourth.
+ORACLE = OracleDrafter(block_size=6)
+ORACLE_KW = dict(tree_budget=10, max_new_tokens=20)
+
+
+def test_oracle_accepts_full_blocks(target, greedy):
+    """Every round accepts the whole block, the last one too (it counts its whole acceptance
+    although max_new_tokens lets it emit only one of its tokens)."""
+    bs = ORACLE.block_size
     for method in ("dflash", "ddtree"):
-        res = generate(
-            target, OracleDrafter(block_size=bs), prompts, method=method, max_new_tokens=m, stop_token_ids=()
-        )
+        res = run(target, ORACLE, PROMPTS["oracle"], method=method, stop_token_ids=(), **ORACLE_KW)
+        assert res.to_lists() == greedy("oracle", 20)
         assert np.asarray(res.rounds).tolist() == [4, 4, 4]
         assert (np.asarray(res.accept_lengths)[:4] == bs).all()
         assert res.tau == bs
 
 
-def test_rejected_trees_still_advance_one_token_per_round(target):
-    prompts = prompts_for(2, seed=8)
-    res = generate(
-        target, RandomDrafter(block_size=4, scale=0.0), prompts, method="ddtree", tree_budget=3, max_new_tokens=12
+def test_rejected_trees_still_advance_one_token_per_round(target, greedy):
+    res = run(
+        target,
+        RandomDrafter(block_size=4, scale=0.0),
+        PROMPTS["rejected"],
+        method="ddtree",
+        tree_budget=3,
+        max_new_tokens=12,
     )
-    assert res.to_lists() == generate(target, prompts, max_new_tokens=12).to_lists()
+    assert res.to_lists() == greedy("rejected", 12)
     acc = np.asarray(res.accept_lengths)
     rounds = np.asarray(res.rounds)
     for row in range(2):
@@ -190,38 +245,52 @@ def test_rejected_trees_still_advance_one_token_per_round(target):
 
 
 def test_batch_rows_equal_each_alone(target):
-    prompts = prompts_for(3, seed=9)
-    d = dflash_drafter(4)
-    kw = dict(method="ddtree", tree_budget=8, max_new_tokens=15, stop_token_ids=())
-    batch = generate(target, d, prompts, **kw)
+    """SWEEP's batch-3 DDTree(15) configuration, against each row alone (batch 1)."""
+    prompts = PROMPTS["rows"]
+    d = dflash_drafter(16, seed=16)
+    kw = dict(method="ddtree", tree_budget=15, max_new_tokens=24, stop_token_ids=())
+    batch = run(target, d, prompts, **kw)
     for i, p in enumerate(prompts):
-        alone = generate(target, d, [p], **kw)
+        alone = run(target, d, [p], **kw)
         assert alone.to_lists()[0] == batch.to_lists()[i]
         assert np.asarray(alone.accept_lengths)[:, 0].tolist() == np.asarray(batch.accept_lengths)[:, i].tolist()
 
 
-def test_stop_tokens_and_max_new_tokens_exact(target):
-    prompts = prompts_for(3, seed=10)
-    free = generate(target, prompts, max_new_tokens=20, stop_token_ids=()).to_lists()
-    stop = free[1][6]
-    oracle = OracleDrafter(block_size=6)
+def test_stop_tokens_and_max_new_tokens_exact(target, greedy):
+    """DDTree with a stop token and max_new_tokens 1 (no round), 7 (one full block; row 1's stop
+    token is its last token) and 20 (the last round cut short) emits the AR greedy tokens cut
+    after the first stop token and at max_new_tokens; so does AR (in the shared batched run's
+    configuration: stop ids are data)."""
+    prompts = PROMPTS["stop"]
+    stop = greedy("stop", 20)[1][6]
+
+    def cut(m):
+        rows = greedy("stop", m)
+        return [row[: row.index(stop) + 1] if stop in row else row for row in rows], [stop in row for row in rows]
+
+    everyone = [p for ps in PROMPTS.values() for p in ps]
+    first = everyone.index(prompts[0])
+    ar = run(target, None, everyone, max_new_tokens=M_REF, stop_token_ids=[stop])
+    want, stopped = cut(M_REF)
+    assert ar.to_lists()[first : first + 3] == want
+    assert np.asarray(ar.stopped)[first : first + 3].tolist() == stopped
     for m in (1, 7, 20):
-        ar = generate(target, prompts, max_new_tokens=m, stop_token_ids=[stop])
-        tr = generate(target, oracle, prompts, method="ddtree", tree_budget=10, max_new_tokens=m, stop_token_ids=[stop])
-        assert tr.to_lists() == ar.to_lists()
-        assert np.asarray(tr.stopped).tolist() == np.asarray(ar.stopped).tolist()
+        want, stopped = cut(m)
+        kw = {**ORACLE_KW, "max_new_tokens": m}
+        tr = run(target, ORACLE, prompts, method="ddtree", stop_token_ids=[stop], **kw)
+        assert tr.to_lists() == want
+        assert np.asarray(tr.stopped).tolist() == stopped
+        assert stopped[1] == (m >= 7)
         assert max(len(r) for r in tr.to_lists()) <= m
         toks = np.asarray(tr.tokens)
         for i, n in enumerate(np.asarray(tr.lengths)):
             assert (toks[i, n:] == -1).all()
 
 
-def test_smaller_block_than_the_drafters(target):
-    prompts = prompts_for(2, seed=11)
+def test_smaller_block_than_the_drafters(target, greedy):
     d = dflash_drafter(16)
-    ar = generate(target, prompts, max_new_tokens=10, stop_token_ids=()).to_lists()
-    res = generate(target, d, prompts, method="ddtree", block_size=3, max_new_tokens=10, stop_token_ids=())
-    assert res.to_lists() == ar
+    res = run(target, d, PROMPTS["smaller"], method="ddtree", block_size=3, max_new_tokens=10, stop_token_ids=())
+    assert res.to_lists() == greedy("smaller", 10)
 
 
 # ---------------------------------------------------------------------------------
