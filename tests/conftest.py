@@ -27,6 +27,7 @@ from ddtree_jax import compile_cache, config, model
 jax.config.update("jax_default_matmul_precision", "highest")
 
 _SESSION_CACHE = None
+MIN_CACHED_COMPILE_S = 1.0
 
 
 def pytest_configure(config):
@@ -36,12 +37,18 @@ def pytest_configure(config):
     the environment, so a program compiled once (the shipped pair's loops, a fixture's
     model) is loaded, not compiled again, by every later process and by this one after
     `_free_compiled_code` drops it.
+
+    Only programs that took MIN_CACHED_COMPILE_S or more to compile are written: every write
+    scans the whole folder (jax's LRU eviction stats and reads each entry's access-time file,
+    under the folder's lock), and the suite's thousands of tiny op-by-op programs, cheaper to
+    compile again than to store, made those scans quadratic (0.2 s a write at 3000 entries).
     """
     global _SESSION_CACHE
     if "PYTEST_XDIST_WORKER" not in os.environ and compile_cache.ENV not in os.environ:
         _SESSION_CACHE = tempfile.mkdtemp(prefix="ddtree_jax_xla_")
         os.environ[compile_cache.ENV] = _SESSION_CACHE
-    compile_cache.enable()
+    if compile_cache.enable() is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
 
 
 def pytest_unconfigure(config):
