@@ -42,13 +42,20 @@ def pytest_configure(config):
     scans the whole folder (jax's LRU eviction stats and reads each entry's access-time file,
     under the folder's lock), and the suite's thousands of tiny op-by-op programs, cheaper to
     compile again than to store, made those scans quadratic (0.2 s a write at 3000 entries).
+    The workers and subprocesses get the same settings through jax's environment variables
+    (read when jax is imported; `compile_cache.enable` keeps a folder configured that way), so
+    the experiment scripts do not write their tiny programs either.
     """
     global _SESSION_CACHE
     if "PYTEST_XDIST_WORKER" not in os.environ and compile_cache.ENV not in os.environ:
         _SESSION_CACHE = tempfile.mkdtemp(prefix="ddtree_jax_xla_")
         os.environ[compile_cache.ENV] = _SESSION_CACHE
-    if compile_cache.enable() is not None:
+    folder = compile_cache.enable()
+    if folder is not None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+        os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(jax.config.jax_compilation_cache_max_size)
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(MIN_CACHED_COMPILE_S)
 
 
 def pytest_unconfigure(config):
