@@ -18,6 +18,11 @@ CFGS = {
 
 WIDTH = 32
 
+# Jitted once per config (op by op, every primitive of a forward compiles on its own).
+prefill = jax.jit(model.prefill)
+forward = jax.jit(model.forward, static_argnames=("tap_layers", "tap_final_norm"))
+logits = jax.jit(model.logits)
+
 
 @jax.jit
 def _padded_forward(params, tokens, n):
@@ -29,13 +34,13 @@ def _padded_forward(params, tokens, n):
 def full_forward(params, tokens):
     """Causal forward of one sequence from scratch (right-padded to WIDTH: one compile).
 
-    Returns (logits [n, V], latent kv [L, 1, n, *]).
+    Returns numpy (logits [n, V], latent kv [L, 1, n, *]) (sliced on the host: no compile per n).
     """
     n = len(tokens)
     padded = np.zeros((1, WIDTH), np.int32)
     padded[0, :n] = tokens
     lg, kv = _padded_forward(params, jnp.asarray(padded), jnp.asarray(n))
-    return lg[:n], jax.tree.map(lambda a: a[:, :, :n], kv)
+    return np.asarray(lg)[:n], jax.tree.map(lambda a: np.asarray(a)[:, :, :n], kv)
 
 
 @pytest.mark.parametrize("name", list(CFGS))
@@ -45,7 +50,7 @@ def test_prefill_then_extend_one_at_a_time_equals_full_forward(name):
     want, _ = full_forward(params, tokens)
     split = 5
     cache = KVCache.init(params.config, 1, 20)
-    first, cache = model.prefill(params, cache, jnp.asarray([tokens[:split]], jnp.int32), jnp.asarray([split]))
+    first, cache = prefill(params, cache, jnp.asarray([tokens[:split]], jnp.int32), jnp.asarray([split]))
 
     @jax.jit
     def step(cache, token):
@@ -90,21 +95,22 @@ def test_tree_extend_equals_causal_paths(name):
     parents, depth, vis = random_tree(rng, n)
     tree_tokens = rng.integers(0, 256, n)
     cache = KVCache.init(params.config, 1, 32)
-    _, cache = model.prefill(params, cache, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]))
-    out = model.forward(
+    _, cache = prefill(params, cache, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]))
+    out = forward(
         params,
         jnp.asarray(tree_tokens[None], jnp.int32),
         jnp.asarray(len(prompt) + depth[None], jnp.int32),
         cache,
         jnp.asarray(vis[None]),
     )
-    tree_logits = model.logits(params, out.hidden)[0]
+    tree_logits = np.asarray(logits(params, out.hidden))[0]
+    out_kv = jax.tree.map(np.asarray, out.kv)
     for i in range(n):
         path = path_to(parents, i)
         want, want_kv = full_forward(params, prompt + tree_tokens[path].tolist())
         np.testing.assert_allclose(tree_logits[i], want[-1], atol=2e-5, rtol=0)
-        np.testing.assert_allclose(out.kv.c_kv[:, 0, i], want_kv.c_kv[:, 0, -1], atol=1e-5, rtol=0)
-        np.testing.assert_allclose(out.kv.k_pe[:, 0, i], want_kv.k_pe[:, 0, -1], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out_kv.c_kv[:, 0, i], want_kv.c_kv[:, 0, -1], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(out_kv.k_pe[:, 0, i], want_kv.k_pe[:, 0, -1], atol=1e-5, rtol=0)
 
 
 def test_batch_rows_are_independent():
@@ -117,7 +123,8 @@ def test_batch_rows_are_independent():
     for i, p in enumerate(prompts):
         padded[i, : len(p)] = p
     cache = KVCache.init(params.config, 3, 16)
-    got, cache = model.prefill(params, cache, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]))
+    got, cache = prefill(params, cache, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]))
+    got = np.asarray(got)
     for i, p in enumerate(prompts):
         want, _ = full_forward(params, p)
         np.testing.assert_allclose(got[i], want[-1], atol=2e-5, rtol=0)
@@ -150,7 +157,8 @@ def test_unrolled_layers_equal_the_layer_scan(monkeypatch):
 
     def run(max_layers):
         monkeypatch.setattr(model, "UNROLL_MAX_LAYERS", max_layers)
-        out = model.forward(*args, tap_layers=(0, 1, 2))
+        # A fresh jit per setting: the constant is read when the forward is traced.
+        out = jax.jit(lambda *a: model.forward(*a, tap_layers=(0, 1, 2)))(*args)
         # (stack length, unroll factor) of each layer scan ("fast": no row-tile loops beside them)
         jaxpr = jax.make_jaxpr(lambda *a: model.forward(*a, numerics="fast").hidden)(*args).jaxpr
         scans = [(e.params["length"], e.params["unroll"]) for e in jaxpr.eqns if e.primitive.name == "scan"]
@@ -174,7 +182,7 @@ def test_cache_write_drops_out_of_range_slots():
         c_kv=jnp.ones((cfg.num_hidden_layers, 2, 2, cfg.kv_lora_rank)),
         k_pe=jnp.ones((cfg.num_hidden_layers, 2, 2, cfg.qk_rope_head_dim)),
     )
-    out = cache.write(new, jnp.asarray([[0, 4], [3, 2]]))
+    out = jax.jit(KVCache.write)(cache, new, jnp.asarray([[0, 4], [3, 2]]))
     written = np.asarray(out.c_kv[0, :, :, 0])
     np.testing.assert_array_equal(written, [[1, 0, 0, 0], [0, 0, 1, 1]])
 
@@ -182,7 +190,7 @@ def test_cache_write_drops_out_of_range_slots():
 def test_bf16_forward_runs_and_is_close_to_f32():
     cfg = CFGS["default"]
     p32 = random_target(cfg, seed=7, std=0.05)
-    p16 = model.cast_params(p32, jnp.bfloat16)
+    p16 = jax.jit(model.cast_params, static_argnums=1)(p32, jnp.bfloat16)
     assert p16.moe_layers.mlp.router_bias.dtype == jnp.float32
     tokens = list(range(10, 20))
     want, _ = full_forward(p32, tokens)
