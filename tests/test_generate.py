@@ -17,12 +17,15 @@ def params():
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [250], [1, 2, 3, 4]]
+# One max_new_tokens for the greedy AR checks that do not depend on it: they share compiled
+# loops (batch 3 or 1, width 7) with test_max_new_tokens_exact[7].
+M = 7
 
 
 def test_mixed_lengths_batch_equals_each_alone(params):
-    batch = generate(params, PROMPTS, max_new_tokens=10).to_lists()
+    batch = generate(params, PROMPTS, max_new_tokens=M).to_lists()
     for prompt, row in zip(PROMPTS, batch, strict=True):
-        assert generate(params, [prompt], max_new_tokens=10).to_lists()[0] == row
+        assert generate(params, [prompt], max_new_tokens=M).to_lists()[0] == row
 
 
 def test_chunked_prefill_gives_the_same_tokens(params):
@@ -43,8 +46,8 @@ def test_padded_array_with_lengths_equals_lists(params):
     padded = np.zeros((3, 7), np.int32)
     for i, p in enumerate(PROMPTS):
         padded[i, : len(p)] = p
-    a = generate(params, padded, prompt_lengths=[7, 1, 4], max_new_tokens=6).to_lists()
-    assert a == generate(params, PROMPTS, max_new_tokens=6).to_lists()
+    a = generate(params, padded, prompt_lengths=[7, 1, 4], max_new_tokens=M).to_lists()
+    assert a == generate(params, PROMPTS, max_new_tokens=M).to_lists()
 
 
 def test_padded_batches_of_one_width_compile_once(params):
@@ -62,7 +65,7 @@ def test_padded_batches_of_one_width_compile_once(params):
 def test_greedy_continues_argmax_of_full_forward(params):
     """The AR loop's token t is the argmax of a fresh full forward over prompt + tokens[:t]."""
     prompt = PROMPTS[0]
-    out = generate(params, [prompt], max_new_tokens=5).to_lists()[0]
+    out = generate(params, [prompt], max_new_tokens=M).to_lists()[0]
     seq = prompt + out
     from tests.test_model import full_forward
 
@@ -72,10 +75,10 @@ def test_greedy_continues_argmax_of_full_forward(params):
 
 
 def test_stop_token_ends_row_and_is_included(params):
-    free = generate(params, PROMPTS, max_new_tokens=12)
+    free = generate(params, PROMPTS, max_new_tokens=M)
     rows = free.to_lists()
     stop = rows[0][3]  # a token row 0 emits at step 3
-    res = generate(params, PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
+    res = generate(params, PROMPTS, max_new_tokens=M, stop_token_ids=[stop])
     for free_row, row, stopped in zip(rows, res.to_lists(), np.asarray(res.stopped), strict=True):
         if stop in free_row:
             cut = free_row.index(stop) + 1
@@ -88,14 +91,14 @@ def test_stop_token_ends_row_and_is_included(params):
 
 
 def test_default_stop_is_config_eos(params):
-    free = generate(params, PROMPTS[:1], max_new_tokens=8).to_lists()[0]
+    free = generate(params, PROMPTS[:1], max_new_tokens=M).to_lists()[0]
     eos = free[2]
     p2 = params.replace(config=tiny(eos_token_id=eos))
-    assert generate(p2, PROMPTS[:1], max_new_tokens=8).to_lists()[0] == free[: free.index(eos) + 1]
-    assert generate(p2, PROMPTS[:1], max_new_tokens=8, stop_token_ids=()).to_lists()[0] == free
+    assert generate(p2, PROMPTS[:1], max_new_tokens=M).to_lists()[0] == free[: free.index(eos) + 1]
+    assert generate(p2, PROMPTS[:1], max_new_tokens=M, stop_token_ids=()).to_lists()[0] == free
 
 
-@pytest.mark.parametrize("m", [1, 2, 7])
+@pytest.mark.parametrize("m", [1, 2, M])
 def test_max_new_tokens_exact(params, m):
     res = generate(params, PROMPTS, max_new_tokens=m, stop_token_ids=())
     assert np.asarray(res.lengths).tolist() == [m] * 3
@@ -104,7 +107,7 @@ def test_max_new_tokens_exact(params, m):
 
 
 def test_sampling_reproducible_and_key_dependent(params):
-    kw = dict(max_new_tokens=16, temperature=1.0, stop_token_ids=())
+    kw = dict(max_new_tokens=M, temperature=1.0, stop_token_ids=())
     a = generate(params, PROMPTS, key=jax.random.key(1), **kw).to_lists()
     b = generate(params, PROMPTS, key=jax.random.key(1), **kw).to_lists()
     c = generate(params, PROMPTS, key=jax.random.key(2), **kw).to_lists()
@@ -112,8 +115,8 @@ def test_sampling_reproducible_and_key_dependent(params):
 
 
 def test_top_k_1_sampling_is_greedy(params):
-    greedy = generate(params, PROMPTS, max_new_tokens=8).to_lists()
-    sampled = generate(params, PROMPTS, max_new_tokens=8, temperature=0.7, top_k=1, key=jax.random.key(0))
+    greedy = generate(params, PROMPTS, max_new_tokens=M).to_lists()
+    sampled = generate(params, PROMPTS, max_new_tokens=M, temperature=0.7, top_k=1, key=jax.random.key(0))
     assert sampled.to_lists() == greedy
 
 
