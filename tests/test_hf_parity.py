@@ -4,15 +4,14 @@ Random weights are written with `save_hf`, loaded by HF from safetensors and by
 us with `load_target`, so the loader is under test as well.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddtree_jax import checkpoint, model
-from ddtree_jax.cache import KVCache
 from ddtree_jax.config import YarnConfig
 from ddtree_jax.generate import generate
 from tests.conftest import random_target, run_hf_reference, tiny
+from tests.test_model import full_forward
 
 MAX_NEW = 12
 
@@ -81,16 +80,7 @@ def parity(tmp_path_factory):
 def test_logits_match_hf(parity, name):
     params, ref = parity[name]
     for i, prompt in enumerate(PROMPTS):
-        n = len(prompt)
-        cache = KVCache.init(params.config, 1, n)
-        out = model.forward(
-            params,
-            jnp.asarray([prompt], jnp.int32),
-            jnp.arange(n, dtype=jnp.int32)[None],
-            cache,
-            model.causal_mask(jnp.asarray([n]), n),
-        )
-        got = np.asarray(model.logits(params, out.hidden)[0])
+        got, _ = full_forward(params, prompt)  # one jitted causal forward, right-padded: one compile
         want = ref[f"logits_{i}"]
         assert np.abs(want).max() > 1.0, "reference logits too flat to test anything"
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
