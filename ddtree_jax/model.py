@@ -34,6 +34,7 @@ from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.numerics import tile_rows
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
+from ddtree_jax.pallas.moe.api import resolve as resolve_moe
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.quant import Int4
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
@@ -387,10 +388,16 @@ def _expert_counts(cfg: TargetConfig, idx: jax.Array) -> jax.Array:
     return jnp.sum(jax.nn.one_hot(idx, cfg.n_routed_experts, dtype=jnp.float32), axis=(0, 1))
 
 
-def moe_ffn(cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str) -> tuple[jax.Array, jax.Array]:
-    """Routed experts + shared experts. x [B, T, H] -> ([B, T, H], tokens per expert [E])."""
+def moe_ffn(
+    cfg: TargetConfig, p: MoEParams, x: jax.Array, implementation: str, layer: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Routed experts + shared experts. x [B, T, H] -> ([B, T, H], tokens per expert [E]).
+
+    `layer`: None, or the index into routed-expert stacks [L, E, ...] held in `p` (see
+    `moe_experts`).
+    """
     b, t, h = x.shape
-    experts = functools.partial(moe_experts, implementation=implementation)
+    experts = functools.partial(moe_experts, implementation=implementation, layer=layer)
     y, idx = _moe_tokens(cfg, p, x.reshape(b * t, h), experts)
     return y.reshape(b, t, h), _expert_counts(cfg, idx)
 
@@ -521,9 +528,19 @@ def _run_layers(
     """
     is_moe = isinstance(layers.mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
+    n_layers = cache_ckv.shape[0]
+    routed = None  # routed-expert stacks the Mosaic kernels index in place
+    if is_moe and numerics == "fast":
+        stacks = (layers.mlp.gate, layers.mlp.up, layers.mlp.down)
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacks)
+        if resolve_moe(implementation, *one, x.dtype) == "mosaic":
+            # Scanned, each layer's slice of the stacks would reach the kernel as a copy XLA
+            # makes first (experiments/moe_layer_stack.py); the kernel takes the layer index.
+            routed = stacks
+            layers = layers.replace(mlp=layers.mlp.replace(gate=None, up=None, down=None))
 
     def body(x, xs):
-        lp, ckv, kpe = xs
+        lp, ckv, kpe, li = xs
         counts = None
         if numerics == "exact":
             x, c_new, k_new, idx = _exact_layer(cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span)
@@ -543,7 +560,11 @@ def _run_layers(
         )
         x = x + attn_out
         hx = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        if is_moe:
+        if is_moe and routed is not None:
+            mlp = lp.mlp.replace(gate=routed[0], up=routed[1], down=routed[2])
+            y, counts = moe_ffn(cfg, mlp, hx, implementation, layer=li)
+            x = x + y
+        elif is_moe:
             y, counts = moe_ffn(cfg, lp.mlp, hx, implementation)
             x = x + y
         else:
@@ -552,8 +573,12 @@ def _run_layers(
 
     # "exact" loops over row tiles and key blocks anyway; unrolling its layers would only
     # multiply the compile time (the shipped target's generate: 20 s unrolled, 14 s scanned).
-    unroll = numerics == "fast" and cache_ckv.shape[0] <= UNROLL_MAX_LAYERS
-    x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, (layers, cache_ckv, cache_kpe), unroll=unroll)
+    # Layers whose routed experts the kernel indexes stay a loop: unrolled, the 4-layer K2
+    # shard's verify died on the H200 (CUDA_ERROR_LAUNCH_FAILED, cause not established) while
+    # the scan ran; at >= 64 MB of experts a layer the loop's overhead is small anyway.
+    unroll = numerics == "fast" and n_layers <= UNROLL_MAX_LAYERS and routed is None
+    xs = (layers, cache_ckv, cache_kpe, jnp.arange(n_layers, dtype=jnp.int32))
+    x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, xs, unroll=unroll)
     return x, c_kv, k_pe, hidden, counts
 
 

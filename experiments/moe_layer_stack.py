@@ -10,7 +10,9 @@ path alone, made the whole verify slower (docs/scaling.md). This isolates that: 
 one EP-8 shard's routed experts (48 experts, 7168 -> 2048, top-8 of the 48), each layer's
 output fed to the next, for every combination of
   weights: "int4" (the grouped INT4 layout) or "bf16";
-  loop: "scan" (lax.scan over the stacks) or "unrolled" (a Python loop of static slices);
+  loop: "scan" (lax.scan over the stacks), "unrolled" (a Python loop of static slices) or
+    "indexed" (lax.scan over layer indices, the whole stacks handed to `moe_experts` with
+    `layer=`: the Mosaic kernels index the stack in place);
   implementation: "xla" or "mosaic" (the W4A16 / bf16 Mosaic GPU kernels);
 against the same experts called once per layer with that layer's own arrays ("alone", no
 slicing: the floor). Each row: device time per call (median of --reps, inputs rotated past
@@ -72,8 +74,8 @@ def stack_weights(key, layers: int, e: int, h: int, i: int, int4: bool):
 
 
 def _layer(impl: str):
-    def layer(x, idx, w, g, u, d):
-        return x + moe_experts(x, idx, w, g, u, d, implementation=impl)
+    def layer(x, idx, w, g, u, d, li=None):
+        return x + moe_experts(x, idx, w, g, u, d, layer=li, implementation=impl)
 
     return layer
 
@@ -97,6 +99,10 @@ def make_fn(loop: str, impl: str, stacks):
         return alone, ()
 
     def fn(x, idx, w, gate, up, down):
+        if loop == "indexed":
+            n = idx.shape[0]
+            body = lambda x, xs: (layer(x, *xs[:2], gate, up, down, xs[2]), None)  # noqa: E731
+            return jax.lax.scan(body, x, (idx, w, jnp.arange(n, dtype=jnp.int32)))[0]
         if loop == "scan":
             return jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, (idx, w, gate, up, down))[0]
         for li in range(idx.shape[0]):
@@ -113,6 +119,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 33])
     ap.add_argument("--weights", nargs="+", default=["int4", "bf16"], choices=["int4", "bf16"])
     ap.add_argument("--impl", nargs="+", default=["xla", "mosaic"], choices=["xla", "mosaic"])
+    ap.add_argument("--loops", nargs="+", default=["alone", "scan", "unrolled", "indexed"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU check: 4 experts of 128 x 128, interpret mode")
@@ -135,7 +142,7 @@ def main(argv=None):
             w = jax.random.uniform(kw, (args.layers, t, k), jnp.float32) / k
             expected = None  # the first row's output: every row computes the same layers
             for impl in args.impl:
-                for loop in ("alone", "scan", "unrolled"):
+                for loop in args.loops:
                     fn, rest = make_fn(loop, impl, stacks)
                     operands = (x, idx, w, *rest)
                     text = "" if loop == "alone" else fn.lower(*operands).compile().as_text()

@@ -173,6 +173,30 @@ def test_repeated_ngrams():
     assert repeated_ngrams(seq, 8, 10, n=2).tolist() == [True, False]
 
 
+def test_k2_shard_parity_tells_routing_flips_from_mismatches():
+    """k2_shard's check of the verify's logits against the XLA path: a row off while every
+    layer's expert counts agree is a mismatch; one off where a layer's routing changed is not;
+    many rows off is, whatever the counts."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from k2_shard import parity
+
+    want = np.random.default_rng(0).normal(size=(16, 50))
+    counts = np.ones((3, 4))
+    flipped = counts.copy()
+    flipped[2, 0] = 0
+    close = parity(want + 1e-3, want, counts, counts)
+    assert close["rows_over_tol"] == [] and not close["mismatch"]
+    one_off = want.copy()
+    one_off[5] += 1.0
+    assert parity(one_off, want, counts, counts)["mismatch"]
+    routed = parity(one_off, want, counts, flipped)
+    assert routed["rows_over_tol"] == [5] and routed["counts_equal_per_layer"] == [True, True, False]
+    assert not routed["mismatch"]
+    many_off = want.copy()
+    many_off[:3] += 1.0
+    assert parity(many_off, want, counts, flipped)["mismatch"]
+
+
 def test_bench_tree_times_both_builders(tmp_path):
     out = tmp_path / "tree.json"
     res = run_script(
@@ -303,29 +327,19 @@ def test_sweep_w4a16_rows(tmp_path):
 
 
 def test_moe_layer_stack_rows_and_hlo_counts(tmp_path):
-    """The layer-stack probe in interpret mode: every (impl, loop) row computes the same layers
-    (XLA exactly; the bf16 kernel within bf16 rounding), HLO move counts for the jitted loops."""
+    """The layer-stack probe in interpret mode: every loop computes the same layers as the
+    layer-by-layer calls (the W4A16 kernel exactly, XLA within bf16 rounding of it), with
+    HLO move counts for the jitted loops."""
     out = tmp_path / "stack.json"
-    r = run_script(
-        "moe_layer_stack.py",
-        "--smoke",
-        "--layers",
-        "2",
-        "--tokens",
-        "3",
-        "--weights",
-        "int4",
-        "--reps",
-        "1",
-        "--out",
-        out,
-    )
+    args = ("--smoke", "--layers", "2", "--tokens", "3", "--weights", "int4", "--reps", "1", "--out", out)
+    r = run_script("moe_layer_stack.py", *args, "--impl", "mosaic", "xla", "--loops", "alone", "scan", "indexed")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(row["impl"], row["loop"]) for row in rows] == [
-        (i, lp) for i in ("xla", "mosaic") for lp in ("alone", "scan", "unrolled")
+        (i, lp) for i in ("mosaic", "xla") for lp in ("alone", "scan", "indexed")
     ]
     assert all(row["ms"] > 0 for row in rows)
-    assert all(row["rel_err"] < (1e-6 if row["impl"] == "xla" else 3e-2) for row in rows), rows
+    assert all(row["rel_err"] == 0 for row in rows if row["impl"] == "mosaic"), rows
+    assert all(0 < row["rel_err"] < 3e-2 for row in rows if row["impl"] == "xla"), rows
     assert all(row["hlo"] == {} for row in rows if row["loop"] == "alone")
     assert all(row["hlo"] for row in rows if row["loop"] != "alone")  # XLA:CPU slices the stacks too

@@ -175,6 +175,35 @@ def test_unrolled_layers_equal_the_layer_scan(monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_kernel_routed_experts_get_the_layer_stack_and_index(monkeypatch):
+    """Where the routed experts take a Mosaic kernel, each MoE layer hands `moe_experts` the
+    whole [L, E, ...] stacks and its own index (XLA would copy a slice first), in a layer scan
+    (unrolled, the K2 shard's verify died on the GPU): the same output as the layer slices."""
+    from ddtree_jax.pallas.moe import moe_experts
+
+    params = random_target(CFGS["default"], seed=8)
+    assert params.config.num_moe_layers > 1
+    tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+    cache = KVCache.init(params.config, 1, 4)
+    args = (params, tokens, jnp.arange(4)[None], cache, model.causal_mask(jnp.asarray([4]), 4))
+    forward = lambda *a: model.forward(*a, tap_layers=(0, 1, 2), numerics="fast")  # noqa: E731
+    want = jax.jit(forward)(*args)
+    calls = []
+
+    def recorded(*a, layer=None, **kw):
+        calls.append((a[3].ndim, layer is not None))
+        return moe_experts(*a, layer=layer, **kw)  # the XLA path: slices the stack at `layer`
+
+    monkeypatch.setattr(model, "moe_experts", recorded)
+    monkeypatch.setattr(model, "resolve_moe", lambda *a: "mosaic")
+    got = jax.jit(lambda *a: forward(*a))(*args)  # a new function: traced afresh
+    assert calls == [(4, True)]  # traced once, in the scan's body
+    jaxpr = jax.make_jaxpr(lambda *a: forward(*a).hidden)(*args).jaxpr
+    assert [e.params["unroll"] for e in jaxpr.eqns if e.primitive.name == "scan"][-1] == 1
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_cache_write_drops_out_of_range_slots():
     cfg = CFGS["default"]
     cache = KVCache.init(cfg, 2, 4)

@@ -152,7 +152,7 @@ def test_mosaic_tiles_and_shapes_are_checked():
         moe_experts_mosaic(*args, tiles=MosaicMoETiles(block_n=32, block_k=16), interpret=mosaic_interpret())
 
 
-def test_auto_takes_the_mosaic_kernel_only_for_large_dense_experts():
+def test_auto_takes_a_mosaic_kernel_only_for_large_experts_it_tiles():
     from ddtree_jax.pallas.moe.api import _mosaic_takes
     from ddtree_jax.quant import Int4
 
@@ -166,8 +166,16 @@ def test_auto_takes_the_mosaic_kernel_only_for_large_dense_experts():
     assert not _mosaic_takes(w(8, 256, 128), w(8, 256, 128), w(8, 128, 256))  # the shipped pair: launch-bound
     assert not _mosaic_takes(*experts(7168, 2048, jnp.float32))
     assert not _mosaic_takes(*experts(7168, 2000))  # I not a multiple of the tiles
-    # INT4 experts: the W4A16 kernel only when asked for ("mosaic"); see _mosaic_takes.
-    assert not _mosaic_takes(*([Int4(32).stored((48, 7168, 2048))] * 2 + [Int4(32).stored((48, 2048, 7168))]))
+
+    # INT4 experts: the W4A16 kernel, under bf16 activations, for outputs it tiles, when large enough.
+    def int4(e, h, i, group=32):
+        return [Int4(group).stored((e, h, i))] * 2 + [Int4(group).stored((e, i, h))]
+
+    assert _mosaic_takes(*int4(48, 7168, 2048))
+    assert not _mosaic_takes(*int4(48, 7168, 2048), activations=jnp.float32)
+    assert not _mosaic_takes(*int4(48, 7168, 2016))  # I not a multiple of block_o
+    assert not _mosaic_takes(*int4(48, 7168, 2048, group=16))
+    assert not _mosaic_takes(*int4(8, 256, 128))  # the shipped pair's size
 
 
 def int4_case(seed, idx, e, h, i, group=32):
@@ -238,3 +246,29 @@ def test_w4a16_block_rows_follow_the_pairs_per_expert():
     t = W4A16Tiles()
     assert [t.rows_per_block(p, 48) for p in (8, 520, 4160, 65536)] == [16, 16, 128, 128]
     assert t.rows_per_block(1040, 48) == 32 and W4A16Tiles(block_t=64).rows_per_block(8, 48) == 64
+
+
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
+def test_layer_stacks_are_indexed_in_place(weights):
+    """`layer=` over [L, E, ...] stacks: each kernel reads the layer's experts in the stack and
+    agrees exactly with its call on that layer's own arrays; the XLA path slices the stack."""
+    idx = [[0, 2], [3, 1], [-1, 3]]
+    if weights == "int4":
+        layers = [int4_case(s, idx, 4, 128, 128) for s in range(3)]
+    else:
+        layers = [case(s, 3, 4, 128, 128, idx=np.asarray(idx), dtype=jnp.bfloat16) for s in range(3)]
+    x, idx, w = layers[0][:3]
+    stacks = [jax.tree.map(lambda *a: jnp.stack(a), *[lay[3 + n] for lay in layers]) for n in range(3)]
+    run = jax.jit(
+        lambda li, *s, impl: moe_experts(x, idx, w, *s, layer=li, implementation=impl), static_argnames="impl"
+    )
+    for li in (2, 1):
+        own = moe_experts(x, idx, w, *layers[li][3:], implementation="mosaic")
+        np.testing.assert_array_equal(run(jnp.int32(li), *stacks, impl="mosaic"), own)
+        np.testing.assert_allclose(
+            run(jnp.int32(li), *stacks, impl="xla"), moe_experts(x, idx, w, *layers[li][3:]), rtol=0, atol=0
+        )
+    with pytest.raises(ValueError, match=r"\[L, E, H, I\] with one"):
+        moe_experts(x, idx, w, *layers[0][3:], layer=jnp.int32(0))
+    with pytest.raises(ValueError, match=r"\[E, H, I\] without a layer"):
+        moe_experts(x, idx, w, *stacks)

@@ -119,6 +119,29 @@ PALLAS_SCRIPT = textwrap.dedent(
             got = moe_xla(*args)
         np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-4, rtol=1e-4)
 
+    # Layer stacks [L, E, ...] with an index, as the model hands a Mosaic kernel its routed
+    # experts, split over the stacks' expert axis. Mosaic GPU's interpreter hangs under an
+    # 8-device shard_map on the CPU, so a stand-in with the kernel's contract (the dense
+    # reference on stack[layer]) takes the W4A16 kernel's place and records its operands.
+    import ddtree_jax.pallas.moe.api as moe_api
+    seen = []
+
+    def stand_in(x, idx, w, gate, up, down, layer=None, interpret=None):
+        seen.append((gate.packed.shape, layer.shape))
+        return moe_experts_reference(x, idx, w, *[jax.tree.map(lambda a: a[layer], s) for s in (gate, up, down)])
+
+    moe_api.moe_experts_w4a16 = stand_in
+    x4 = jnp.asarray(rng.normal(size=(6, 128)), jnp.bfloat16)
+    stacks = [Int4(group_size=32).quantize(f(2, 8, a, b) * 0.1) for a, b in ((128, 64), (128, 64), (64, 128))]
+    stacked = jax.jit(lambda li, *s: moe_experts(x4, idx, w, *s, layer=li, implementation="mosaic"))
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(stacked)(jnp.int32(1), *stacks))
+        got = stacked(jnp.int32(1), *stacks).astype(jnp.float32)
+    assert seen[-1] == ((2, 2, 4, 64, 32), ()), seen  # 2 layers of 8 / 4 experts, one index per shard
+    layer1 = [jax.tree.map(lambda a: a[1], s) for s in stacks]
+    want = moe_experts_reference(x4, idx, w, *layer1).astype(jnp.float32)
+    np.testing.assert_allclose(got, want, atol=1e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+
     # generate on sharded weights with the kernels gives the single-device XLA tokens; so does
     # the fast XLA path, dense and INT4.
     prompts = [[5, 17, 33, 2, 9], [250, 1]]

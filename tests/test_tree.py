@@ -43,7 +43,7 @@ def reference_tree(logp: np.ndarray, budget: int):
 def check_against_reference(logits: np.ndarray, budget: int, method: str = "auto"):
     b, d, v = logits.shape
     roots = jnp.arange(b, dtype=jnp.int32) + 3
-    t = build(jnp.asarray(logits), roots, budget, method=method)
+    t = jax.tree.map(np.asarray, build(jnp.asarray(logits), roots, budget, method=method))  # indexed on the host
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
     n_paths = sum(min(budget, v) ** i for i in range(1, d + 1))
     for row in range(b):

@@ -15,7 +15,7 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic")
 "auto": each op takes its Mosaic GPU kernel on a Hopper GPU where the kernel takes the
 operands (bf16 / f16, widths that fit its tiles; for the routed experts also weights big
 enough to stream, `moe.api.AUTO_MIN_BYTES`), and the XLA path otherwise (the CPU,
-float32, INT4 experts, shapes the kernel does not tile, small launch-bound models). "pallas": the Triton-lowered kernels.
+float32, shapes the kernel does not tile, small launch-bound models). "pallas": the Triton-lowered kernels.
 "mosaic": the Mosaic GPU kernels (interpret mode on a CPU backend)."""
 
 

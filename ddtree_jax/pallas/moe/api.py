@@ -14,7 +14,7 @@ from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
-from ddtree_jax.pallas.moe.w4a16 import moe_experts_w4a16
+from ddtree_jax.pallas.moe.w4a16 import check_w4a16, moe_experts_w4a16
 from ddtree_jax.quant import QuantizedArray, nbytes
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
@@ -28,22 +28,37 @@ models (the shipped pair's experts are 1.5 MB a layer) keep the XLA path their f
 measured on."""
 
 
-def _mosaic_takes(gate, up, down) -> bool:
-    """Whether "auto" takes the Mosaic kernel: dense bf16 / f16 weights, H and I multiples of
-    its tiles, at least `AUTO_MIN_BYTES` of them.
+def _mosaic_takes(gate, up, down, activations=jnp.bfloat16) -> bool:
+    """Whether "auto" takes a Mosaic kernel: at least `AUTO_MIN_BYTES` of experts, either
+    dense bf16 / f16 with H and I multiples of `mosaic.py`'s tiles, or INT4 ones the W4A16
+    kernel tiles (`check_w4a16`) under bf16 `activations` (the kernel computes in bf16).
 
-    INT4 experts stay on the XLA path under "auto", though the W4A16 kernel alone runs a
-    Kimi-K2 shard's routed experts 5-10x faster (docs/benchmarks.md): in the model each
-    layer's experts reach the kernel as a slice of the layer stack, which XLA copies into a
-    buffer of its own first, and on the 4-layer K2 shard that made the verify 1.3-5.9x
-    slower than the XLA path (docs/scaling.md). "mosaic" takes the W4A16 kernel.
+    In the model a layer's experts reach the kernel as the whole layer stack and an index
+    (`layer=`): handed the layer's slice, XLA copied it first, which made the 4-layer K2
+    shard's verify slower with the W4A16 kernel than without (docs/scaling.md).
     """
-    if nbytes((gate, up, down)) < AUTO_MIN_BYTES or isinstance(gate, QuantizedArray):
+    if nbytes((gate, up, down)) < AUTO_MIN_BYTES:
         return False
+    if isinstance(gate, QuantizedArray):
+        if activations != jnp.bfloat16:
+            return False
+        try:
+            check_w4a16(gate, down)
+        except ValueError:
+            return False
+        return True
     tiles = MosaicMoETiles()
     return gate.dtype in (jnp.bfloat16, jnp.float16) and all(
-        d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[1:]
+        d % tiles.block_n == 0 and d % tiles.block_k == 0 for d in gate.shape[-2:]
     )
+
+
+def resolve(implementation: str, gate, up, down, activations=jnp.bfloat16) -> str:
+    """The implementation `moe_experts` runs for these experts and activations' dtype: "auto" made concrete."""
+    check_implementation(implementation, AVAILABLE, "moe_experts")
+    if implementation == "auto":
+        return "mosaic" if on_hopper() and _mosaic_takes(gate, up, down, activations) else "xla"
+    return implementation
 
 
 def moe_experts(
@@ -54,6 +69,7 @@ def moe_experts(
     up: jax.Array,  # [E, H, I]
     down: jax.Array,  # [E, I, H]
     *,
+    layer: jax.Array | None = None,
     implementation: str = "xla",
 ) -> jax.Array:  # [T, H]
     """Weighted sum of each token's top-K SwiGLU experts.
@@ -63,68 +79,79 @@ def moe_experts(
       idx: the K experts chosen for each token.
       w: their routing weights (already normalised and scaled).
       gate, up, down: stacked expert weights, [in, out] per expert, dense or INT4
-        (`quant.QuantizedArray`; not "pallas").
+        (`quant.QuantizedArray`; not "pallas"); with `layer`, stacks of layers [L, E, ...].
+      layer: None, or an int32 scalar that picks one layer of the [L, E, ...] stacks. The
+        Mosaic kernels read that layer's experts in place; handed the slice instead, XLA
+        copies it into a buffer of its own before the call (experiments/moe_layer_stack.py).
       implementation: "xla" (weight gather or ragged_dot, see reference.py), "pallas"
         (the grouped Triton-style kernel in kernel.py), "mosaic" (the Mosaic GPU kernels:
         mosaic.py for dense weights, H and I multiples of its tiles; w4a16.py for INT4 ones,
-        bf16 activations) or "auto" ("mosaic" on a Hopper GPU for dense bf16 / f16 experts it
-        tiles of `AUTO_MIN_BYTES` or more, else "xla": see `_mosaic_takes`). The kernels run in interpret mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
+        bf16 activations) or "auto" ("mosaic" on a Hopper GPU for experts a kernel tiles, of
+        `AUTO_MIN_BYTES` or more, else "xla": see `_mosaic_takes`). The kernels run in interpret mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
         split the "experts" axis, each runs expert-parallel, one shard of experts per device.
 
     Returns:
       [T, H] in x's dtype.
     """
-    check_implementation(implementation, AVAILABLE, "moe_experts")
-    if implementation == "auto":
-        implementation = "mosaic" if on_hopper() and _mosaic_takes(gate, up, down) else "xla"
+    implementation = resolve(implementation, gate, up, down, x.dtype)
     int4 = isinstance(gate, QuantizedArray)
     if int4 and implementation == "pallas":
         raise NotImplementedError(
             "moe_experts: INT4 experts run with implementation='xla', 'mosaic' or 'auto', not 'pallas' "
             "(the W4A16 kernel is Mosaic GPU only)"
         )
+    if len(gate.shape) != 3 + (layer is not None):
+        raise ValueError(
+            f"moe_experts: gate of shape {gate.shape} with layer={layer}: [E, H, I] without a layer, [L, E, H, I] with one"
+        )
+    if layer is not None and implementation != "mosaic":  # XLA fuses the slice into its consumers
+        gate, up, down = jax.tree.map(lambda a: a[layer], (gate, up, down))
+        layer = None
     t, h = x.shape
-    e, _, i = gate.shape
+    e, _, i = gate.shape[-3:]
     k = idx.shape[1]
     chex.assert_shape(idx, (t, k))
     chex.assert_shape(w, (t, k))
-    chex.assert_shape(up, (e, h, i))
-    chex.assert_shape(down, (e, i, h))
+    lead = gate.shape[:-3]
+    chex.assert_shape(up, (*lead, e, h, i))
+    chex.assert_shape(down, (*lead, e, i, h))
     chex.assert_type(idx, jnp.int32)
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
         dropped = -1
     elif implementation == "mosaic":
-        kernel, dropped = (
-            functools.partial(moe_experts_w4a16 if int4 else moe_experts_mosaic, interpret=mosaic_interpret()),
-            -1,
-        )
+        mosaic = moe_experts_w4a16 if int4 else moe_experts_mosaic
+        kernel, dropped = functools.partial(mosaic, interpret=mosaic_interpret()), -1
     else:
         kernel, dropped = moe_experts_xla, None  # None: one past the local experts (sorts last, no group)
-    spec = sharding.kernel_spec(("experts", None, None), gate.shape)
+    spec = sharding.kernel_spec(("experts", None, None), gate.shape[-3:])
     axis = None if spec is None else spec[0]
     if axis is None:  # no mesh, experts not split by its rules, or E not divisible: one call
-        return kernel(x, idx, w, gate, up, down)
+        return kernel(x, idx, w, gate, up, down, **({} if layer is None else {"layer": layer}))
     # Expert parallel by hand: left to GSPMD, the XLA path's weight gather and grouped
     # GEMM all-gather every expert to every device (issue 15's compiled plan).
-    return _expert_parallel(kernel, axis, dropped)(x, idx, w, gate, up, down)
+    layers = () if layer is None else (layer,)
+    return _expert_parallel(kernel, axis, dropped, bool(layers))(x, idx, w, gate, up, down, *layers)
 
 
-def _expert_parallel(kernel, axis: str, dropped: int | None):
+def _expert_parallel(kernel, axis: str, dropped: int | None, stacked: bool):
     """The kernel per shard of the experts over mesh `axis`: each computes the pairs
     routed to its own experts (the others get weight 0 and expert id `dropped`, or the
     local expert count for None) and the partial sums are added over the axis. Tokens
-    are replicated to every shard."""
+    are replicated to every shard. `stacked`: the weights are [L, E, ...] stacks and a
+    layer index follows them."""
 
-    def local(x, idx, w, gate, up, down):
-        e = gate.shape[0]
+    def local(x, idx, w, gate, up, down, *layer):
+        e = gate.shape[-3]
         first = jax.lax.axis_index(axis) * e
         mine = (idx >= first) & (idx < first + e)
         other = e if dropped is None else dropped
-        y = kernel(x, jnp.where(mine, idx - first, other), jnp.where(mine, w, 0.0), gate, up, down)
+        extra = {"layer": layer[0]} if layer else {}
+        y = kernel(x, jnp.where(mine, idx - first, other), jnp.where(mine, w, 0.0), gate, up, down, **extra)
         return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
 
-    rep, experts = PartitionSpec(), PartitionSpec(axis)
-    specs = (rep, rep, rep, experts, experts, experts)
+    rep = PartitionSpec()
+    experts = PartitionSpec(None, axis) if stacked else PartitionSpec(axis)
+    specs = (rep, rep, rep, experts, experts, experts) + ((rep,) if stacked else ())
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)

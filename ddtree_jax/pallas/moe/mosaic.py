@@ -78,17 +78,25 @@ def _store(tile: jax.Array, out_gmem, rows, cols) -> None:
     pl.run_scoped(scope, plgpu.SMEM(tile.shape, tile.dtype))
 
 
-def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_expert, tiles, interpret):
+def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_expert, layer, tiles, interpret):
     """One kernel: for each row block b and output tile j, the expert's products x_b @ w[e][:, j]
-    for each w in `weights`, handed to `body_out(accumulators) -> tile` and stored."""
+    for each w in `weights`, handed to `body_out(accumulators) -> tile` and stored.
+
+    layer: None, or [1] int32 when the weights are layer stacks [L, E, ...]: w = stack[layer].
+    """
     rows, kdim = x.shape
     bn, bk = tiles.block_n, tiles.block_k
     nb = rows // BLOCK_M
 
-    def body(expert_gmem, x_gmem, *refs):
-        w_gmem, out_gmem = refs[:-1], refs[-1]
+    def body(expert_gmem, *refs):
+        if layer is not None:
+            layer_gmem, *refs = refs
+        x_gmem, *w_gmem, out_gmem = refs
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         e = expert_gmem[b]
+        # A layer's slice of the stack, taken here rather than in XLA: handed a slice, XLA
+        # copies it into a buffer of its own before the call (experiments/moe_layer_stack.py).
+        pick = (lambda ref: ref.at[e]) if layer is None else (lambda ref: ref.at[layer_gmem[0], e])
 
         @pl.when(e >= 0)
         def _():
@@ -101,7 +109,7 @@ def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_ex
                 specs = [plgpu.BlockSpec((BLOCK_M, bk), lambda k: (b, k))]
                 specs += [plgpu.BlockSpec((bk, bn), lambda k: (k, j))] * len(w_gmem)
                 plgpu.emit_pipeline(step, grid=(kdim // bk,), in_specs=specs, max_concurrent_steps=tiles.stages)(
-                    x_gmem, *(w.at[e] for w in w_gmem)
+                    x_gmem, *(pick(w) for w in w_gmem)
                 )
                 return tuple(a[...] for a in accs)
 
@@ -116,7 +124,7 @@ def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_ex
         compiler_params=_params(),
         interpret=interpret,
     )
-    return kernel(block_expert, x, *weights)
+    return kernel(block_expert, *(() if layer is None else (layer,)), x, *weights)
 
 
 def _swiglu(g, u):
@@ -132,16 +140,20 @@ def moe_experts_mosaic(
     up,  # [E, H, I]
     down,  # [E, I, H]
     *,
+    layer=None,
     tiles: MosaicMoETiles = MosaicMoETiles(),
     interpret=None,
 ):
     """Same contract as `moe_experts_reference`: [T, H] in x's dtype.
 
-    `interpret`: None compiles for the GPU; Mosaic GPU's `InterpretGPUParams()` runs the
-    kernels on the CPU.
+    `layer`: None, or an int32 scalar when gate / up / down are layer stacks [L, E, ...]:
+    the kernels read layer `layer`'s experts in place. `interpret`: None compiles for the
+    GPU; Mosaic GPU's `InterpretGPUParams()` runs the kernels on the CPU.
     """
     h = x.shape[1]
-    e, _, i = gate.shape
+    e, _, i = gate.shape[-3:]
+    if layer is not None:
+        layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
     k = idx.shape[1]
     for name, dim in (("H", h), ("I", i)):
         for tile in ("block_n", "block_k"):
@@ -153,6 +165,6 @@ def moe_experts_mosaic(
     pos, block_expert = group_by_expert(idx, e, BLOCK_M)
     rows = block_expert.shape[0] * BLOCK_M
     xs = jnp.zeros((rows, h), dtype).at[pos].set(jnp.repeat(x.astype(dtype), k, axis=0))  # [NB * BM, H]
-    act = _grouped_matmul(_swiglu, i, xs, (gate, up), block_expert, tiles, interpret)  # [NB * BM, I]
-    ys = _grouped_matmul(lambda y: y, h, act, (down.astype(dtype),), block_expert, tiles, interpret)
+    act = _grouped_matmul(_swiglu, i, xs, (gate, up), block_expert, layer, tiles, interpret)  # [NB * BM, I]
+    ys = _grouped_matmul(lambda y: y, h, act, (down.astype(dtype),), block_expert, layer, tiles, interpret)
     return combine(ys, pos, idx, w, h, x.dtype)

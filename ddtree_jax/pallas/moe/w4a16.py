@@ -97,15 +97,16 @@ def _transforms(minor: int):
     return plgpu.TilingTransform((8, width // 2)), plgpu.SwizzleTransform(width)
 
 
-def _grouped_matmul_t(body_out, x, weights, block_expert, tiles, interpret):
+def _grouped_matmul_t(body_out, x, weights, block_expert, layer, tiles, interpret):
     """One kernel: for each row block b and output tile j, the products W[e]^T x_b^T (float32
     [BO, BT]) of each INT4 weight W in `weights`, handed to `body_out(accumulators) -> tile`
     and stored to out[b, j * BO : (j + 1) * BO, :] ([NB, Out, BT]).
 
     x: the block rows, [NB * BT, In] with BT = `x.shape[0] // NB` (wgmma's B operand read
     K-major through a transposed view), or [NB, In, BT] (act^T of the first kernel).
+    layer: None, or [1] int32 when the weights are layer stacks [L, E, ...]: W = stack[layer].
     """
-    _, n_groups, n_out, g = weights[0].packed.shape
+    *_, n_groups, n_out, g = weights[0].packed.shape
     kdim = n_groups * g
     gps = min(tiles.groups_per_step, n_groups)
     bk = gps * g
@@ -116,10 +117,15 @@ def _grouped_matmul_t(body_out, x, weights, block_expert, tiles, interpret):
     per_stage = bt * bk * 2 + len(weights) * gps * bo * (g // 2 + 2)
     stages = max(1, min(tiles.stages, SMEM_BUDGET // per_stage))
 
-    def body(expert_gmem, x_gmem, *refs):
-        w_gmem, out_gmem = refs[:-1], refs[-1]
+    def body(expert_gmem, *refs):
+        if layer is not None:
+            layer_gmem, *refs = refs
+        x_gmem, *w_gmem, out_gmem = refs
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         e = expert_gmem[b]
+        # A layer's slice of the stack, taken here rather than in XLA: handed a slice, XLA
+        # copies it into a buffer of its own before the call (experiments/moe_layer_stack.py).
+        pick = (lambda ref: ref.at[e]) if layer is None else (lambda ref: ref.at[layer_gmem[0], e])
 
         @pl.when(e >= 0)
         def _():
@@ -148,7 +154,7 @@ def _grouped_matmul_t(body_out, x, weights, block_expert, tiles, interpret):
                     specs.append(plgpu.BlockSpec((gps, bo, g), lambda k: (k, j, 0)))
                     specs.append(plgpu.BlockSpec((gps, bo), lambda k: (k, j)))
                 plgpu.emit_pipeline(step, grid=(kdim // bk,), in_specs=specs, max_concurrent_steps=stages)(
-                    x_gmem, *[ref.at[e] for ref in w_gmem]
+                    x_gmem, *[pick(ref) for ref in w_gmem]
                 )
                 return tuple(acc[...] for acc in accs)
 
@@ -172,7 +178,8 @@ def _grouped_matmul_t(body_out, x, weights, block_expert, tiles, interpret):
         compiler_params=_params(),
         interpret=interpret,
     )
-    return kernel(block_expert, x, *[a for wq in weights for a in (wq.packed, wq.scale)])
+    lead = () if layer is None else (layer,)
+    return kernel(block_expert, *lead, x, *[a for wq in weights for a in (wq.packed, wq.scale)])
 
 
 def check_w4a16(gate: QuantizedArray, down: QuantizedArray, tiles: W4A16Tiles = W4A16Tiles()) -> None:
@@ -200,22 +207,26 @@ def moe_experts_w4a16(
     up: QuantizedArray,  # [E, H, I]
     down: QuantizedArray,  # [E, I, H]
     *,
+    layer=None,
     tiles: W4A16Tiles = W4A16Tiles(),
     interpret=None,
 ):
     """Same contract as `moe_experts_reference`: [T, H] in x's dtype.
 
-    `interpret`: None compiles for the GPU; Mosaic GPU's `InterpretGPUParams()` runs the
-    kernels on the CPU.
+    `layer`: None, or an int32 scalar when gate / up / down are layer stacks [L, E, ...]:
+    the kernels read layer `layer`'s experts in place. `interpret`: None compiles for the
+    GPU; Mosaic GPU's `InterpretGPUParams()` runs the kernels on the CPU.
     """
     check_w4a16(gate, down, tiles)
-    e = gate.shape[0]
+    e = gate.shape[-3]
+    if layer is not None:
+        layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
     t, h = x.shape
     k = idx.shape[1]
     bt = tiles.rows_per_block(t * k, e)
     pos, block_expert = group_by_expert(idx, e, bt)
     rows = block_expert.shape[0] * bt
     xs = jnp.zeros((rows, h), jnp.bfloat16).at[pos].set(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0))
-    act_t = _grouped_matmul_t(_swiglu, xs, (gate, up), block_expert, tiles, interpret)  # [NB, I, BT]
-    ys_t = _grouped_matmul_t(lambda y: y, act_t, (down,), block_expert, tiles, interpret)  # [NB, H, BT]
+    act_t = _grouped_matmul_t(_swiglu, xs, (gate, up), block_expert, layer, tiles, interpret)  # [NB, I, BT]
+    ys_t = _grouped_matmul_t(lambda y: y, act_t, (down,), block_expert, layer, tiles, interpret)  # [NB, H, BT]
     return combine(jnp.swapaxes(ys_t, 1, 2).reshape(rows, h), pos, idx, w, h, x.dtype)
