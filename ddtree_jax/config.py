@@ -436,6 +436,39 @@ SMALL = TargetConfig(
 )
 """The model we train and ship: ~10M parameters so that target + drafter fit 25 MB in bf16."""
 
+MEDIUM = TargetConfig(
+    vocab_size=8192,
+    hidden_size=384,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    intermediate_size=1024,
+    moe_intermediate_size=192,
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    q_lora_rank=128,
+    kv_lora_rank=96,
+    qk_nope_head_dim=48,
+    qk_rope_head_dim=32,
+    v_head_dim=48,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+"""The next shipped target (issue 17): Kimi-K2's layout (a dense first layer, 16 routed experts,
+top-2, no group limit, a shared expert) at 36.4M parameters (14.8M active per token), trained
+in floating point and shipped with its routed experts INT4 (group 32,
+`model.quantize_experts`). So stored, a 3-layer drafter (`MEDIUM_DRAFTER`)
+and the tokenizer it fits the 48 MB `checkpoints/` budget (tests/test_config.py)."""
+
+MEDIUM_DRAFTER = dict(num_hidden_layers=3, intermediate_size=768, num_key_value_heads=1)
+"""`dflash.drafter_config_for` arguments of MEDIUM's drafter."""
+
 DEEPSEEK_V3 = TargetConfig(
     vocab_size=129280,
     hidden_size=7168,
@@ -499,4 +532,4 @@ KIMI_K2 = TargetConfig(
 )
 """Kimi-K2-Instruct (1.03T) shapes, for abstract-shape work."""
 
-PRESETS = {"tiny": TINY, "small": SMALL, "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
+PRESETS = {"tiny": TINY, "small": SMALL, "medium": MEDIUM, "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}

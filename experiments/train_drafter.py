@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--taps", type=int, nargs="+", default=[1, 3, 5])
     ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: the target's heads / 4)")
     ap.add_argument(
         "--sliding-window",
         type=int,
@@ -138,6 +139,7 @@ def main():
                 mask_token_id=tok.mask_id,
                 target_layer_ids=tuple(args.taps),
                 intermediate_size=args.intermediate,
+                num_key_value_heads=args.kv_heads,
             )
         )
         params = dflash.init_params(dcfg, jax.random.PRNGKey(args.seed))

@@ -1,11 +1,14 @@
-"""Train the SMALL target on the standard-library token stream (experiments/prepare_data.py).
+"""Train a target preset (SMALL by default) on the token streams of experiments/prepare_data.py.
 
     python experiments/train_target.py --data data --out out/target_run --steps 2000 --max-minutes 8
+    python experiments/train_target.py --preset medium --int4-experts 32 ...   # issue 17's target
 
 Writes OUT/target (HF format, bf16, sharded < 16 MB per file; the final weights),
 OUT/target_best (the same, for the evaluation with the lowest validation loss: the
-small corpus overfits), OUT/target_loss.png, OUT/target_metrics.json; resumable orbax
-states under OUT/ckpt_target.
+small corpus overfits), with --int4-experts also OUT/target_int4 and OUT/target_best_int4
+(routed experts INT4, compressed-tensors), OUT/target_loss.png, OUT/target_metrics.json;
+resumable orbax states under OUT/ckpt_target. A run continued on a machine without those
+states starts from an exported OUT/target with --init (weights only: a fresh optimizer).
 """
 
 from __future__ import annotations
@@ -56,7 +59,19 @@ def main():
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--compute-dtype", default="bfloat16")
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="small", choices=sorted(config.PRESETS))
+    ap.add_argument(
+        "--int4-experts",
+        type=int,
+        default=None,
+        metavar="GROUP",
+        help="also export OUT/target_int4 (and target_best_int4): routed experts INT4, one scale per GROUP inputs",
+    )
+    ap.add_argument(
+        "--init",
+        default=None,
+        help="start from this HF target directory's weights (an earlier run's OUT/target) with a fresh optimizer",
+    )
     args = ap.parse_args()
 
     t_start = time.time()
@@ -65,11 +80,22 @@ def main():
     cfg = dataclasses.replace(
         config.PRESETS[args.preset], vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id
     )
+    if args.int4_experts:  # fail now, not at the first export: the experts' dims must take the groups
+        try:
+            dataclasses.replace(cfg, expert_int4_group_size=args.int4_experts)
+        except config.ConfigError as err:
+            raise SystemExit(f"--int4-experts {args.int4_experts}: {err}") from err
     train_stream = np.load(os.path.join(args.data, "train.npy"), mmap_mode="r")
     val_stream = np.load(os.path.join(args.data, "validation.npy"))
     val_batches = windows(val_stream, np.random.default_rng(123), 64, args.seq + 1).reshape(4, 16, -1)
 
     params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
+    if args.init:
+        start = checkpoint.load_target(args.init, dtype=jnp.float32)
+        if start.config != cfg:
+            raise SystemExit(f"--init {args.init}: its config differs from --preset {args.preset}'s: {start.config}")
+        params = start
+        print(f"initialised from {args.init}")
     compute = jnp.dtype(args.compute_dtype) if args.compute_dtype != "float32" else None
     frozen = train.router_bias_mask(params)
     if args.fit_minutes:
@@ -106,9 +132,11 @@ def main():
     )
 
     def export(params, name):
-        checkpoint.save_hf(
-            model.cast_params(params, jnp.bfloat16), os.path.join(args.out, name), max_shard_bytes=12 * 2**20
-        )
+        params = model.cast_params(params, jnp.bfloat16)
+        checkpoint.save_hf(params, os.path.join(args.out, name), max_shard_bytes=12 * 2**20)
+        if args.int4_experts:
+            quantized = model.quantize_experts(params, group_size=args.int4_experts)
+            checkpoint.save_hf(quantized, os.path.join(args.out, f"{name}_int4"), max_shard_bytes=12 * 2**20)
 
     best = {"val_loss": float("inf")}
 
@@ -134,7 +162,12 @@ def main():
         postfix=lambda m: {"loss": f"{m['loss']:.3f}", "load": f"{m.get('max_load', 0):.2f}"},
     )
     export(state.params, "target")
-    plot(history, evals, os.path.join(args.out, "target_loss.png"), f"SMALL target ({cfg.num_params() / 1e6:.1f}M)")
+    plot(
+        history,
+        evals,
+        os.path.join(args.out, "target_loss.png"),
+        f"{args.preset.upper()} target ({cfg.num_params() / 1e6:.1f}M)",
+    )
     summary = {
         "config": cfg.to_hf_config(),
         "args": vars(args),

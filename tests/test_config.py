@@ -7,7 +7,7 @@ from ddtree_jax import config
 from ddtree_jax.config import ConfigError, TargetConfig
 
 
-@pytest.mark.parametrize("preset", [config.TINY, config.SMALL, config.KIMI_K2, config.DEEPSEEK_V3])
+@pytest.mark.parametrize("preset", [config.TINY, config.SMALL, config.MEDIUM, config.KIMI_K2, config.DEEPSEEK_V3])
 def test_hf_round_trip(preset):
     hf = json.loads(json.dumps(preset.to_hf_config()))
     assert TargetConfig.from_hf_config(hf) == preset
@@ -17,6 +17,30 @@ def test_param_counts():
     assert 1.02e12 < config.KIMI_K2.num_params() < 1.04e12
     assert 6.70e11 < config.DEEPSEEK_V3.num_params() < 6.72e11
     assert 5e6 < config.SMALL.num_params() < 1.3e7  # ships in <= 25 MB with the drafter
+
+
+def test_medium_pair_fits_the_checkpoint_budget():
+    """MEDIUM is Kimi-K2-like (issue 17: >= 16 routed experts, top-k >= 2, a shared expert, the
+    sigmoid router with its bias, a dense first layer) and, its routed experts INT4, fits
+    `checkpoints/` (48 MB in all) with its drafter and the tokenizer, in files of <= 16 MB."""
+    import dataclasses
+    import os
+
+    import jax.numpy as jnp
+
+    from ddtree_jax import model
+    from ddtree_jax.drafters import dflash
+    from ddtree_jax.quant import nbytes
+
+    m = config.MEDIUM
+    assert m.n_routed_experts >= 16 and m.num_experts_per_tok >= 2 and m.n_shared_experts >= 1
+    assert m.first_k_dense_replace == 1 and m.expert_int4_group_size is None  # the router is always sigmoid
+    shipped = dataclasses.replace(m, expert_int4_group_size=32)
+    target = nbytes(model.abstract_params(shipped, jnp.bfloat16))
+    drafter = nbytes(dflash.abstract_params(dflash.drafter_config_for(m, **config.MEDIUM_DRAFTER), jnp.bfloat16))
+    tokenizer = os.path.getsize(os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tokenizer.json"))
+    assert target + drafter + tokenizer <= 48e6 * 0.98, (target, drafter, tokenizer)  # 2% for headers and configs
+    assert 3 * config.SMALL.num_params() < m.num_params()
 
 
 @pytest.mark.parametrize(

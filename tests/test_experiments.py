@@ -40,6 +40,31 @@ def run_script(name, *args):
     )
 
 
+def test_train_target_exports_int4_experts_and_starts_from_an_export(data_dir, tmp_path):
+    """A few steps of the tiny preset: the bf16 export and the INT4-expert one (compressed-
+    tensors, loaded back as INT4); then a second run starts from the first's export."""
+    from ddtree_jax import checkpoint
+    from ddtree_jax.quant import QuantizedArray
+
+    out = tmp_path / "run"
+    common = ("--data", data_dir, "--preset", "tiny", "--batch", 2, "--seq", 32, "--eval-every", 2)
+    proc = run_script("train_target.py", *common, "--steps", 2, "--int4-experts", 32, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bf16 = checkpoint.load_target(out / "target")
+    int4 = checkpoint.load_target(out / "target_int4")
+    assert int4.config.expert_int4_group_size == 32 and bf16.config.expert_int4_group_size is None
+    assert isinstance(int4.moe_layers.mlp.gate, QuantizedArray)
+    assert (out / "target_best_int4" / "config.json").exists()
+    again = run_script("train_target.py", *common, "--steps", 1, "--init", out / "target", "--out", tmp_path / "b")
+    assert again.returncode == 0 and f"initialised from {out / 'target'}" in again.stdout, again.stderr[-3000:]
+    wrong = run_script(
+        "train_target.py", *common, "--steps", 1, "--preset", "small", "--init", out / "target", "--out", tmp_path / "c"
+    )
+    assert wrong.returncode != 0 and "its config differs from --preset small's" in wrong.stderr
+    bad = run_script("train_target.py", *common, "--int4-experts", 24, "--out", tmp_path / "d")
+    assert bad.returncode != 0 and "--int4-experts 24: hidden_size=64 is not a multiple" in bad.stderr, bad.stderr
+
+
 def test_train_drafter_resumes_a_drafter_with_a_sliding_window(data_dir, tiny_pair, tmp_path):
     out = tmp_path / "run"
     proc = run_script(
