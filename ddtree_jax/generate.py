@@ -370,7 +370,8 @@ def generate(
       cache_dtype: latent-cache dtype; default the params' dtype.
       implementation: "auto" (default: the Mosaic GPU kernels for MLA attention and
         the routed experts on a Hopper GPU where they take the operands, bf16 / f16,
-        else XLA), "xla", "pallas" (the Triton-lowered kernels) or "mosaic"
+        else XLA), "xla", "pallas" (the Triton-lowered routed-expert kernel;
+        attention on XLA) or "mosaic"
         (`ddtree_jax.pallas.IMPLEMENTATIONS`; kernels run in interpret mode on a CPU
         backend). With weights placed by `sharding.shard_target`, the kernels run per
         shard under that mesh: heads and experts over "model", the batch over "data".

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from ddtree_jax.pallas.mla_attention import bench as mla_bench
-from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.mosaic import mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.moe import bench as moe_bench
@@ -41,18 +40,14 @@ def _f32(args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
 @pytest.mark.parametrize("name", list(MLA_SHAPES))
-def test_mla_kernel_on_named_shapes(name, impl):
-    if impl == "mosaic" and not ON_GPU:
+def test_mla_kernel_on_named_shapes(name):
+    if not ON_GPU:
         pytest.skip("Mosaic GPU on the CPU: tests/test_mla_kernel.py (interpret mode, widths it tiles)")
     shape = _shape(MLA_SHAPES, name)
     args = mla_bench.inputs(shape, jax.random.PRNGKey(1))
     scale = (shape.kv_lora_rank + shape.rope_dim) ** -0.5
-    if impl == "mosaic":
-        got = jax.jit(lambda *a: mla_attention_mosaic(*a, scale=scale))(*args)
-    else:
-        got = jax.jit(lambda *a: mla_attention_pallas(*a, scale=scale, interpret=not ON_GPU))(*args)
+    got = jax.jit(lambda *a: mla_attention_mosaic(*a, scale=scale))(*args)
     want = mla_attention_reference(*_f32(args), scale)
     assert got.shape == want.shape == (shape.batch, shape.tokens, shape.heads, shape.kv_lora_rank)
     err = float(jnp.max(jnp.abs(got - want)))

@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.mla_attention.exact import mla_attention_exact
-from ddtree_jax.pallas.mla_attention.kernel import mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
@@ -68,12 +67,14 @@ def mla_attention(
         ancestor-or-self matrix for a draft tree).
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
       implementation: "xla" (pure jnp), "exact" (pure jnp in a rounding order fixed
-        by absolute positions, exact.py), "pallas" (the Triton-style kernel in
-        kernel.py), "mosaic" (the Mosaic GPU kernel in mosaic.py: a bf16 / f16 cache on
-        the GPU, R % 128, P % 64, S % 64) or "auto" ("mosaic" on a Hopper GPU where it
-        takes the operands, else "xla"). The kernels run in interpret mode on a CPU
-        backend; under a mesh context (`sharding.use_mesh`) per shard, batch and heads
-        split by its rules.
+        by absolute positions, exact.py), "mosaic" (the Mosaic GPU kernel in mosaic.py:
+        a bf16 / f16 cache on the GPU, R % 128, P % 64, S % 64), "auto" ("mosaic" on a
+        Hopper GPU where it takes the operands, else "xla") or "pallas", which means
+        "xla" here: the Triton-lowered MLA kernel was removed once the Mosaic one beat
+        it at every measured shape (docs/benchmarks.md), and "pallas" keeps selecting
+        the Triton-lowered routed-expert kernel. The Mosaic kernel runs in interpret
+        mode on a CPU backend; under a mesh context (`sharding.use_mesh`) per shard,
+        batch and heads split by its rules.
       positions: absolute positions of the new tokens ("exact" only: it orders the
         keys by them). Each query's visible new tokens must sit at distinct positions
         in [cache_len, cache_len + span).
@@ -100,6 +101,8 @@ def mla_attention(
     args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
     if implementation == "auto":
         implementation = "mosaic" if on_hopper() and _mosaic_takes(q_lat, q_pe, cache_ckv) else "xla"
+    if implementation == "pallas":  # no Triton-lowered MLA kernel any more (see above)
+        implementation = "xla"
     if implementation == "exact":
         if positions is None:
             raise ValueError("mla_attention(implementation='exact') needs the new tokens' positions")
@@ -107,9 +110,6 @@ def mla_attention(
         span = t if span is None else span
         fn = lambda *a: mla_attention_exact(*a, scale, span)  # noqa: E731
         args, axes = (*args, positions), (*_AXES, ("batch", None))
-    elif implementation == "pallas":
-        fn = functools.partial(mla_attention_pallas, scale=scale, interpret=jax.default_backend() == "cpu")
-        axes = _AXES
     elif implementation == "mosaic":
         fn, axes = functools.partial(mla_attention_mosaic, scale=scale, interpret=mosaic_interpret()), _AXES
     else:
@@ -117,7 +117,7 @@ def mla_attention(
     home, extra = sharding.cache_split(b)
     if extra:  # the cache split by sequence: each device attends for its own sequences
         return _per_sequence(fn, args, axes, home, extra)
-    if implementation in ("pallas", "mosaic") and sharding.context_mesh() is not None:
+    if implementation == "mosaic" and sharding.context_mesh() is not None:
         # Per shard: the batch and the query heads as the mesh's rules split them.
         specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
         # check_vma=False: pallas_call outputs carry no varying-axes annotation.

@@ -1,6 +1,6 @@
 """Benchmark absorbed-MLA attention on named real shapes; prints % of the measured H200 peak.
 
-    python -m ddtree_jax.pallas.mla_attention.bench                 # GPU: every shape, xla, pallas, mosaic
+    python -m ddtree_jax.pallas.mla_attention.bench                 # GPU: every shape, xla and mosaic
     python -m ddtree_jax.pallas.mla_attention.bench --smoke         # CPU: shrunken shapes, interpret mode
 
 Shapes: `pallas/shapes.py` (MLA_SHAPES), bf16. Times are device time from a profiler
@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
-from ddtree_jax.pallas.mla_attention.kernel import MLATiles, mla_attention_pallas
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MLAShape
@@ -49,10 +48,9 @@ def cost(shape: MLAShape) -> tuple[int, int]:
 
 
 def main(argv=None):
-    d = MLATiles()
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(MLA_SHAPES), choices=list(MLA_SHAPES))
-    ap.add_argument("--impl", nargs="+", default=["xla", "pallas", "mosaic"], choices=["xla", "pallas", "mosaic"])
+    ap.add_argument("--impl", nargs="+", default=["xla", "mosaic"], choices=["xla", "mosaic"])
     m = MosaicMLATiles()
     ap.add_argument(
         "--mosaic-tiles",
@@ -61,25 +59,19 @@ def main(argv=None):
         help="Mosaic tiles to try, each block_k,stages,num_splits (0: chosen per shape)",
     )
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--block-q", type=int, default=d.block_q)
-    ap.add_argument("--block-k", type=int, default=d.block_k)
-    ap.add_argument("--num-warps", type=int, default=d.num_warps)
-    ap.add_argument("--num-stages", type=int, default=d.num_stages)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
-    tiles = MLATiles(args.block_q, args.block_k, None, args.num_warps, args.num_stages)
-    print(f"device: {jax.devices()[0].device_kind}; pallas {tiles}")
+    print(f"device: {jax.devices()[0].device_kind}")
     print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     xla = jax.jit(lambda *a: mla_attention_reference(*a, 0.1))
-    pallas = jax.jit(lambda *a: mla_attention_pallas(*a, scale=0.1, tiles=tiles, interpret=args.smoke))
     for name in args.shapes:
         shape = MLA_SHAPES[name].shrink() if args.smoke else MLA_SHAPES[name]
         r, p = shape.kv_lora_rank, shape.rope_dim
         x = inputs(shape, jax.random.PRNGKey(0))
         flops, nbytes = cost(shape)
         expected = xla(*x)
-        runs = [(impl, xla if impl == "xla" else pallas) for impl in args.impl if impl != "mosaic"]
+        runs = [("xla", xla)] if "xla" in args.impl else []
         if "mosaic" in args.impl and args.smoke:
             print(f"| {name} | mosaic | skipped: the shrunk widths (R={r}, P={p}) are below its tiles |")
         elif "mosaic" in args.impl:
