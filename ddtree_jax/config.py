@@ -463,8 +463,8 @@ MEDIUM = TargetConfig(
 """The next shipped target (issue 17): Kimi-K2's layout (a dense first layer, 16 routed experts,
 top-2, no group limit, a shared expert) at 36.4M parameters (14.8M active per token), trained
 in floating point and shipped with its routed experts INT4 (group 32,
-`model.quantize_experts`). So stored, a 3-layer drafter (`MEDIUM_DRAFTER`)
-and the tokenizer it fits the 48 MB `checkpoints/` budget (tests/test_config.py)."""
+`model.quantize_experts`). Stored so, it fits the 48 MB `checkpoints/` budget together with
+a 3-layer drafter (`MEDIUM_DRAFTER`) and the tokenizer (tests/test_config.py)."""
 
 MEDIUM_DRAFTER = dict(num_hidden_layers=3, intermediate_size=768, num_key_value_heads=1)
 """`dflash.drafter_config_for` arguments of MEDIUM's drafter."""

@@ -532,8 +532,7 @@ def _run_layers(
     routed = None  # routed-expert stacks the Mosaic kernels index in place
     if is_moe and numerics == "fast":
         stacks = (layers.mlp.gate, layers.mlp.up, layers.mlp.down)
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacks)
-        if resolve_moe(implementation, *one, x.dtype) == "mosaic":
+        if resolve_moe(implementation, *stacks, x.dtype, stacked=True) == "mosaic":
             # Scanned, each layer's slice of the stacks would reach the kernel as a copy XLA
             # makes first (experiments/moe_layer_stack.py); the kernel takes the layer index.
             routed = stacks
@@ -560,12 +559,11 @@ def _run_layers(
         )
         x = x + attn_out
         hx = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        if is_moe and routed is not None:
-            mlp = lp.mlp.replace(gate=routed[0], up=routed[1], down=routed[2])
-            y, counts = moe_ffn(cfg, mlp, hx, implementation, layer=li)
-            x = x + y
-        elif is_moe:
-            y, counts = moe_ffn(cfg, lp.mlp, hx, implementation)
+        if is_moe:
+            mlp, layer = (
+                (lp.mlp, None) if routed is None else (lp.mlp.replace(gate=routed[0], up=routed[1], down=routed[2]), li)
+            )
+            y, counts = moe_ffn(cfg, mlp, hx, implementation, layer=layer)
             x = x + y
         else:
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)

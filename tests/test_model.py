@@ -195,7 +195,7 @@ def test_kernel_routed_experts_get_the_layer_stack_and_index(monkeypatch):
         return moe_experts(*a, layer=layer, **kw)  # the XLA path: slices the stack at `layer`
 
     monkeypatch.setattr(model, "moe_experts", recorded)
-    monkeypatch.setattr(model, "resolve_moe", lambda *a: "mosaic")
+    monkeypatch.setattr(model, "resolve_moe", lambda *a, **kw: "mosaic")
     got = jax.jit(lambda *a: forward(*a))(*args)  # a new function: traced afresh
     assert calls == [(4, True)]  # traced once, in the scan's body
     jaxpr = jax.make_jaxpr(lambda *a: forward(*a).hidden)(*args).jaxpr

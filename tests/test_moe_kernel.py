@@ -178,6 +178,20 @@ def test_auto_takes_a_mosaic_kernel_only_for_large_experts_it_tiles():
     assert not _mosaic_takes(*int4(8, 256, 128))  # the shipped pair's size
 
 
+def test_auto_judges_layer_stacks_by_one_layer(monkeypatch):
+    """With `layer=`, "auto" weighs one layer's experts against AUTO_MIN_BYTES, not the stack's."""
+    from ddtree_jax.pallas.moe import api
+
+    monkeypatch.setattr(api, "on_hopper", lambda: True)
+    one = [jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16)] * 3  # 50 MB a layer
+    four = [jax.ShapeDtypeStruct((4, 8, 1024, 1024), jnp.bfloat16)] * 3
+    assert api.resolve("auto", *one) == api.resolve("auto", *four, stacked=True) == "xla"
+    assert api.resolve("auto", *four) == "mosaic"  # the stack alone would pass the bar
+    big = [jax.ShapeDtypeStruct((4, 16, 1024, 1024), jnp.bfloat16)] * 3  # 100 MB a layer
+    assert api.resolve("auto", *big, stacked=True) == "mosaic"
+    assert api.resolve("xla", *four, stacked=True) == "xla"
+
+
 def int4_case(seed, idx, e, h, i, group=32):
     """bf16 x, routing, and INT4 experts (grouped layout)."""
     from ddtree_jax.quant import Int4

@@ -53,10 +53,13 @@ def _mosaic_takes(gate, up, down, activations=jnp.bfloat16) -> bool:
     )
 
 
-def resolve(implementation: str, gate, up, down, activations=jnp.bfloat16) -> str:
-    """The implementation `moe_experts` runs for these experts and activations' dtype: "auto" made concrete."""
+def resolve(implementation: str, gate, up, down, activations=jnp.bfloat16, stacked: bool = False) -> str:
+    """The implementation `moe_experts` runs for these experts and activations' dtype: "auto"
+    made concrete. `stacked`: gate / up / down are layer stacks [L, E, ...], judged by one layer."""
     check_implementation(implementation, AVAILABLE, "moe_experts")
     if implementation == "auto":
+        if stacked:
+            gate, up, down = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), (gate, up, down))
         return "mosaic" if on_hopper() and _mosaic_takes(gate, up, down, activations) else "xla"
     return implementation
 
@@ -93,16 +96,16 @@ def moe_experts(
     Returns:
       [T, H] in x's dtype.
     """
-    implementation = resolve(implementation, gate, up, down, x.dtype)
+    if len(gate.shape) != 3 + (layer is not None):
+        raise ValueError(
+            f"moe_experts: gate of shape {gate.shape} with layer={layer}: [E, H, I] without a layer, [L, E, H, I] with one"
+        )
+    implementation = resolve(implementation, gate, up, down, x.dtype, stacked=layer is not None)
     int4 = isinstance(gate, QuantizedArray)
     if int4 and implementation == "pallas":
         raise NotImplementedError(
             "moe_experts: INT4 experts run with implementation='xla', 'mosaic' or 'auto', not 'pallas' "
             "(the W4A16 kernel is Mosaic GPU only)"
-        )
-    if len(gate.shape) != 3 + (layer is not None):
-        raise ValueError(
-            f"moe_experts: gate of shape {gate.shape} with layer={layer}: [E, H, I] without a layer, [L, E, H, I] with one"
         )
     if layer is not None and implementation != "mosaic":  # XLA fuses the slice into its consumers
         gate, up, down = jax.tree.map(lambda a: a[layer], (gate, up, down))

@@ -78,6 +78,13 @@ def _store(tile: jax.Array, out_gmem, rows, cols) -> None:
     pl.run_scoped(scope, plgpu.SMEM(tile.shape, tile.dtype))
 
 
+def _expert_view(ref, e, layer_gmem):
+    """ref[e] of an expert stack, or ref[layer, e] of a layer stack when `layer_gmem` ([1]
+    int32) is given. The layer's slice is taken here rather than in XLA: handed a slice, XLA
+    copies it into a buffer of its own before the call (experiments/moe_layer_stack.py)."""
+    return ref.at[e] if layer_gmem is None else ref.at[layer_gmem[0], e]
+
+
 def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_expert, layer, tiles, interpret):
     """One kernel: for each row block b and output tile j, the expert's products x_b @ w[e][:, j]
     for each w in `weights`, handed to `body_out(accumulators) -> tile` and stored.
@@ -89,14 +96,12 @@ def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_ex
     nb = rows // BLOCK_M
 
     def body(expert_gmem, *refs):
+        layer_gmem = None
         if layer is not None:
             layer_gmem, *refs = refs
         x_gmem, *w_gmem, out_gmem = refs
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         e = expert_gmem[b]
-        # A layer's slice of the stack, taken here rather than in XLA: handed a slice, XLA
-        # copies it into a buffer of its own before the call (experiments/moe_layer_stack.py).
-        pick = (lambda ref: ref.at[e]) if layer is None else (lambda ref: ref.at[layer_gmem[0], e])
 
         @pl.when(e >= 0)
         def _():
@@ -109,7 +114,7 @@ def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_ex
                 specs = [plgpu.BlockSpec((BLOCK_M, bk), lambda k: (b, k))]
                 specs += [plgpu.BlockSpec((bk, bn), lambda k: (k, j))] * len(w_gmem)
                 plgpu.emit_pipeline(step, grid=(kdim // bk,), in_specs=specs, max_concurrent_steps=tiles.stages)(
-                    x_gmem, *(pick(w) for w in w_gmem)
+                    x_gmem, *(_expert_view(w, e, layer_gmem) for w in w_gmem)
                 )
                 return tuple(a[...] for a in accs)
 

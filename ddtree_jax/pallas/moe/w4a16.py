@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_jax.pallas.moe.kernel import combine, group_by_expert
-from ddtree_jax.pallas.moe.mosaic import _params, _store, _swiglu
+from ddtree_jax.pallas.moe.mosaic import _expert_view, _params, _store, _swiglu
 from ddtree_jax.quant import QuantizedArray
 
 SMEM_BUDGET = 200 * 1024
@@ -118,14 +118,12 @@ def _grouped_matmul_t(body_out, x, weights, block_expert, layer, tiles, interpre
     stages = max(1, min(tiles.stages, SMEM_BUDGET // per_stage))
 
     def body(expert_gmem, *refs):
+        layer_gmem = None
         if layer is not None:
             layer_gmem, *refs = refs
         x_gmem, *w_gmem, out_gmem = refs
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         e = expert_gmem[b]
-        # A layer's slice of the stack, taken here rather than in XLA: handed a slice, XLA
-        # copies it into a buffer of its own before the call (experiments/moe_layer_stack.py).
-        pick = (lambda ref: ref.at[e]) if layer is None else (lambda ref: ref.at[layer_gmem[0], e])
 
         @pl.when(e >= 0)
         def _():
@@ -154,7 +152,7 @@ def _grouped_matmul_t(body_out, x, weights, block_expert, layer, tiles, interpre
                     specs.append(plgpu.BlockSpec((gps, bo, g), lambda k: (k, j, 0)))
                     specs.append(plgpu.BlockSpec((gps, bo), lambda k: (k, j)))
                 plgpu.emit_pipeline(step, grid=(kdim // bk,), in_specs=specs, max_concurrent_steps=stages)(
-                    x_gmem, *[pick(ref) for ref in w_gmem]
+                    x_gmem, *[_expert_view(ref, e, layer_gmem) for ref in w_gmem]
                 )
                 return tuple(acc[...] for acc in accs)
 
