@@ -3,7 +3,8 @@
     python experiments/train_drafter.py --data data --target out/target --out out/drafter_run --steps 3000
 
 1. Prompts: random windows of the train split; the target's own greedy
-   continuations of them (batched `generate`) are the training data. Several
+   continuations of them (batched `generate`; --sample-fraction of them sampled at
+   T=1 instead) are the training data. Several
    --prompt-len values split the prompts evenly between those lengths; every
    sequence is max(--prompt-len) + --gen-len tokens (shorter prompts get longer
    continuations), and anchors fall in each row's own continuation.
@@ -38,12 +39,14 @@ from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
 
-def distill(target, prompts: np.ndarray, gen_len: int, batch: int) -> np.ndarray:
-    """[N, P + gen_len] prompt + the target's greedy continuation (no stop token)."""
+def distill(target, prompts: np.ndarray, gen_len: int, batch: int, temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+    """[N, P + gen_len] prompt + the target's continuation (greedy, or sampled at `temperature`; no stop token)."""
     out = []
-    for i in tqdm(range(0, len(prompts), batch), desc="self-distillation", mininterval=5):
+    desc = "self-distillation" + (f" (T={temperature:g})" if temperature else "")
+    for i in tqdm(range(0, len(prompts), batch), desc=desc, mininterval=5):
         chunk = prompts[i : i + batch]
-        res = generate(target, chunk, max_new_tokens=gen_len, stop_token_ids=())
+        key = jax.random.PRNGKey(seed + i)
+        res = generate(target, chunk, max_new_tokens=gen_len, stop_token_ids=(), temperature=temperature, key=key)
         out.append(np.concatenate([chunk, np.asarray(res.tokens)], axis=1))
     return np.concatenate(out).astype(np.int32)
 
@@ -60,10 +63,10 @@ def plot(history, evals, path):
     a.set_ylabel("loss")
     a.grid(alpha=0.3)
     a.legend()
-    for key, label in (("tau_dflash", "DFlash chain"), ("tau_ddtree", "DDTree")):
+    for key, label in (("tau_dflash", "DFlash chain"), ("tau_ddtree", "DDTree"), ("tau_ddtree_t1", "DDTree, T=1")):
         b.plot([e["step"] for e in evals], [e[key] for e in evals], "o-", label=label)
     b.set_xlabel("step")
-    b.set_ylabel("tau (validation prompts, T=0)")
+    b.set_ylabel("tau (validation prompts; T=0 unless marked)")
     b.grid(alpha=0.3)
     b.legend()
     fig.tight_layout()
@@ -78,6 +81,13 @@ def main():
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[64], help="one or more prompt lengths")
     ap.add_argument("--gen-len", type=int, default=192)
     ap.add_argument("--gen-batch", type=int, default=4096)
+    ap.add_argument(
+        "--sample-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of the prompts continued by sampling at T=1 rather than greedily: the contexts the "
+        "drafter meets when decoding at T > 0",
+    )
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layers", type=int, default=2)
@@ -108,6 +118,8 @@ def main():
 
     if not 0.0 <= args.distill_weight <= 1.0:
         sys.exit(f"error: --distill-weight must be in [0, 1], got {args.distill_weight}")
+    if not 0.0 <= args.sample_fraction <= 1.0:
+        sys.exit(f"error: --sample-fraction must be in [0, 1], got {args.sample_fraction}")
     if min(args.prompt_len) < 1 or args.prompts < len(args.prompt_len):
         sys.exit(f"error: --prompt-len {args.prompt_len} needs lengths >= 1 and --prompts >= one per length")
     t_start = time.time()
@@ -163,7 +175,12 @@ def main():
         parts = []
         for i, (length, count) in enumerate(zip(args.prompt_len, counts, strict=True)):
             prompts = prompt_windows(train_stream, int(count), length, seed=args.seed + 1000 * i)
-            parts.append(distill(target, prompts, total - length, args.gen_batch))
+            n_sampled = round(args.sample_fraction * len(prompts))
+            greedy, sampled = prompts[: len(prompts) - n_sampled], prompts[len(prompts) - n_sampled :]
+            if len(greedy):
+                parts.append(distill(target, greedy, total - length, args.gen_batch))
+            if len(sampled):
+                parts.append(distill(target, sampled, total - length, args.gen_batch, 1.0, seed=args.seed + i))
         seqs = np.concatenate(parts)
         starts = np.repeat(np.asarray(args.prompt_len), counts)
         np.save(distill_path, seqs)
@@ -219,10 +236,20 @@ def main():
         kw = dict(max_new_tokens=96, stop_token_ids=())
         chain = generate(target, d, eval_prompts, method="dflash", **kw)
         tree = generate(target, d, eval_prompts, method="ddtree", tree_budget=args.eval_budget, **kw)
+        sampled = generate(
+            target,
+            d,
+            eval_prompts,
+            method="ddtree",
+            tree_budget=args.eval_budget,
+            temperature=1.0,
+            key=jax.random.PRNGKey(7),
+            **kw,
+        )
         if chain.tau > best["tau_dflash"]:
             best["tau_dflash"] = chain.tau
             export(state.params, os.path.join(args.out, "drafter_best"))
-        return {"tau_dflash": chain.tau, "tau_ddtree": tree.tau}
+        return {"tau_dflash": chain.tau, "tau_ddtree": tree.tau, "tau_ddtree_t1": sampled.tau}
 
     state, history, evals, train_time = _loop.run(
         state,
