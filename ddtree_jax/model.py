@@ -36,7 +36,7 @@ from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.api import resolve as resolve_moe
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
-from ddtree_jax.quant import Int4
+from ddtree_jax.quant import Int4, QuantizedArray
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
@@ -337,6 +337,19 @@ def quantize_experts(params: TargetParams, group_size: int = 32) -> TargetParams
         declare(cfg),
         params.replace(config=cfg),
         is_leaf=weights.is_weight,
+    )
+
+
+def dequantize_experts(params: TargetParams, dtype=jnp.float32) -> TargetParams:
+    """The same model with its INT4 routed experts expanded to `dtype` (the inverse of
+    `quantize_experts` up to its rounding): a quantized export to continue training from."""
+    if params.config.expert_int4_group_size is None:
+        raise ValueError("the routed experts are not INT4")
+    cfg = dataclasses.replace(params.config, expert_int4_group_size=None)
+    return jax.tree.map(
+        lambda a: a.dequantize(dtype) if isinstance(a, QuantizedArray) else a,
+        params.replace(config=cfg),
+        is_leaf=lambda a: isinstance(a, QuantizedArray),
     )
 
 

@@ -39,7 +39,9 @@ from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
 
-def distill(target, prompts: np.ndarray, gen_len: int, batch: int, temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+def distill(
+    target, prompts: np.ndarray, gen_len: int, batch: int, temperature: float = 0.0, seed: int = 0
+) -> np.ndarray:
     """[N, P + gen_len] prompt + the target's continuation (greedy, or sampled at `temperature`; no stop token)."""
     out = []
     desc = "self-distillation" + (f" (T={temperature:g})" if temperature else "")

@@ -70,7 +70,8 @@ def main():
     ap.add_argument(
         "--init",
         default=None,
-        help="start from this HF target directory's weights (an earlier run's OUT/target) with a fresh optimizer",
+        help="start from this HF target directory's weights (an earlier run's OUT/target, or an INT4 export "
+        "such as checkpoints/target, its experts dequantized) with a fresh optimizer",
     )
     args = ap.parse_args()
 
@@ -92,6 +93,8 @@ def main():
     params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
     if args.init:
         start = checkpoint.load_target(args.init, dtype=jnp.float32)
+        if start.config.expert_int4_group_size is not None:  # an INT4 export: continue from its rounded experts
+            start = model.dequantize_experts(start, jnp.float32)
         if start.config != cfg:
             raise SystemExit(f"--init {args.init}: its config differs from --preset {args.preset}'s: {start.config}")
         params = start

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -57,6 +58,10 @@ def test_train_target_exports_int4_experts_and_starts_from_an_export(data_dir, t
     assert (out / "target_best_int4" / "config.json").exists()
     again = run_script("train_target.py", *common, "--steps", 0, "--init", out / "target", "--out", tmp_path / "b")
     assert again.returncode == 0 and f"initialised from {out / 'target'}" in again.stdout, again.stderr[-3000:]
+    from_int4 = run_script(
+        "train_target.py", *common, "--steps", 0, "--init", out / "target_int4", "--out", tmp_path / "b4"
+    )
+    assert from_int4.returncode == 0 and "initialised from" in from_int4.stdout, from_int4.stderr[-3000:]
     wrong = run_script(
         "train_target.py", *common, "--steps", 1, "--preset", "small", "--init", out / "target", "--out", tmp_path / "c"
     )
@@ -74,10 +79,20 @@ def test_train_drafter_resumes_a_drafter_with_a_sliding_window(data_dir, tiny_pa
         *("--prompts", 4, "--prompt-len", 48, 64, "--gen-len", 40, "--gen-batch", 4),
         *("--steps", 2, "--batch", 2, "--anchors", 2),
         *("--eval-every", 2, "--eval-prompts", 2, "--eval-prompt-len", 96, "--distill-weight", 0.5),
+        *("--sample-fraction", 0.5),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Two prompt lengths, two rows each, every row 64 + 40 long (the short prompts continue further).
     assert np.load(out / "distill_prompt_lens.npy").tolist() == [48, 48, 64, 64]
+    # Of each length's two rows the first is the target's greedy continuation, the second a sample.
+    from ddtree_jax import checkpoint
+    from ddtree_jax.generate import generate
+
+    seqs = np.load(out / "distill.npy")
+    target = checkpoint.load_target(tiny_pair / "target", dtype=jnp.bfloat16)
+    for row, length in ((0, 48), (1, 48), (2, 64), (3, 64)):
+        greedy = generate(target, seqs[row : row + 1, :length], max_new_tokens=104 - length, stop_token_ids=())
+        assert (greedy.to_lists()[0] == seqs[row, length:].tolist()) == (row % 2 == 0), row
     trained = dflash.load_drafter(out / "drafter")
     assert trained.config.types == ("sliding_attention",) * trained.config.num_hidden_layers
     assert trained.config.sliding_window == 64
@@ -86,7 +101,7 @@ def test_train_drafter_resumes_a_drafter_with_a_sliding_window(data_dir, tiny_pa
     assert metrics["steps_done"] == 2
     assert metrics["distill_shape"] == [4, 64 + 40]
     assert [e["step"] for e in metrics["evals"]] == [2]
-    assert metrics["evals"][0]["tau_dflash"] >= 1.0
+    assert metrics["evals"][0]["tau_dflash"] >= 1.0 and metrics["evals"][0]["tau_ddtree_t1"] >= 1.0
     assert (out / "drafter_best" / "config.json").exists()
 
 

@@ -27,13 +27,25 @@ def quantized():
 
 
 def _dequantized(q):
-    """The same model with its INT4 experts expanded to float32 (an unquantized config)."""
-    import dataclasses
+    return model.dequantize_experts(q, jnp.float32)
 
-    mlp = q.moe_layers.mlp
-    dense = mlp.replace(**{n: getattr(mlp, n).dequantize(jnp.float32) for n in ("gate", "up", "down")})
-    cfg = dataclasses.replace(q.config, expert_int4_group_size=None)
-    return q.replace(config=cfg, moe_layers=q.moe_layers.replace(mlp=dense))
+
+def test_dequantize_experts_inverts_quantize_experts_up_to_rounding():
+    dense = random_target(tiny(), seed=3)
+    back = model.dequantize_experts(model.quantize_experts(dense, group_size=32))
+    assert back.config == dense.config
+    for name in ("gate", "up", "down"):
+        a, b = getattr(dense.moe_layers.mlp, name), getattr(back.moe_layers.mlp, name)
+        assert not isinstance(b, quant.QuantizedArray) and b.dtype == jnp.float32
+        err = np.abs(np.asarray(a) - np.asarray(b))
+        # Round to nearest: at most half a step, a step being the group's max |w| / 7.
+        groups = np.abs(np.asarray(a)).reshape(*a.shape[:-2], -1, 32, a.shape[-1]).max(axis=-2, keepdims=True)
+        bound = np.broadcast_to(groups / 7 / 2, (*groups.shape[:-2], 32, *groups.shape[-1:])).reshape(a.shape)
+        assert np.all(err <= bound * 1.05 + 1e-8), name  # 1.05: the scale is stored bf16
+        assert err.max() > 0
+    assert same(back.dense_layers, dense.dense_layers) and same(back.moe_layers.attn, dense.moe_layers.attn)
+    with pytest.raises(ValueError, match="not INT4"):
+        model.dequantize_experts(dense)
 
 
 def test_quantized_checkpoint_round_trips_and_says_so(quantized, tmp_path):
