@@ -65,12 +65,22 @@ def test_quantized_checkpoint_round_trips_and_says_so(quantized, tmp_path):
     assert same(back, quantized)
 
 
-def test_int4_logits_are_those_of_the_dequantized_model(quantized):
+def test_int4_logits_are_those_of_the_dequantized_model(quantized, monkeypatch):
     """Exact numerics: the INT4 model is its dequantized dense model, token for token and bit for bit."""
+    from ddtree_jax.pallas.moe import reference
+
     dense = _dequantized(quantized)
     kw = dict(max_new_tokens=16, stop_token_ids=())
     assert dj.generate(quantized, PROMPTS, **kw).to_lists() == dj.generate(dense, PROMPTS, **kw).to_lists()
-    # The XLA paths (gather for decode, chunked grouped GEMM for many tokens) match the reference.
+    # The XLA paths match the reference: gather for decode; for many tokens the grouped GEMM,
+    # over the whole small stack, or (forced here) over chunks of 3 of the 8 experts, the last padded.
+    for all_bytes, chunk in ((reference.INT4_DEQUANT_ALL_BYTES, 8), (0, 3)):
+        monkeypatch.setattr(reference, "INT4_DEQUANT_ALL_BYTES", all_bytes)
+        monkeypatch.setattr(reference, "INT4_EXPERT_CHUNK", chunk)
+        _check_xla_paths(quantized)
+
+
+def _check_xla_paths(quantized):
     g, u, d = (jax.tree.map(lambda a: a[0], getattr(quantized.moe_layers.mlp, n)) for n in ("gate", "up", "down"))
     rng = np.random.default_rng(0)
     e, k = quantized.config.n_routed_experts, quantized.config.num_experts_per_tok

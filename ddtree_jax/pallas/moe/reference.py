@@ -11,11 +11,13 @@ sort + `jax.lax.ragged_dot` grouped GEMM otherwise (prefill, tree verify).
 
 INT4 experts (`quant.QuantizedArray`) are dequantized to x's dtype where they are
 used: the reference dequantizes all of them; the XLA path only the gathered
-experts (decode) or `INT4_EXPERT_CHUNK` experts at a time (grouped GEMM), never
-the whole expert stack at once.
+experts (decode), or for the grouped GEMM the whole stack when it is small
+(`INT4_DEQUANT_ALL_BYTES`), else `INT4_EXPERT_CHUNK` experts at a time.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,10 @@ from ddtree_jax.quant import QuantizedArray
 GATHER_MAX_PAIRS_PER_EXPERT = 1
 """Use the weight gather when T * K <= this * E: it then streams no more weight than a dense pass."""
 INT4_EXPERT_CHUNK = 8
-"""INT4 experts the grouped XLA path dequantizes at a time."""
+"""INT4 experts the grouped XLA path dequantizes at a time, in a scan over chunks..."""
+INT4_DEQUANT_ALL_BYTES = 64 * 2**20
+"""...unless the whole stack, dequantized, takes at most this many bytes: then it is one
+grouped GEMM with no loop (a loop costs a launch-bound model a host round trip per chunk)."""
 
 
 def _dense(a, dtype):
@@ -103,12 +108,15 @@ def _moe_ragged(x, idx, w, gate, up, down):
 
 
 def _moe_ragged_int4(x, idx, w, gate, up, down):
-    """The grouped GEMM over INT4 experts, INT4_EXPERT_CHUNK of them dequantized at a time.
+    """The grouped GEMM over INT4 experts: all dequantized at once when small, else
+    INT4_EXPERT_CHUNK of them at a time.
 
     The (token, expert) pairs are sorted by expert; each chunk's pairs are a contiguous
     run, rolled to the front so that `ragged_dot` sees them as its first groups.
     """
     e = gate.shape[0]
+    if sum(math.prod(a.shape) for a in (gate, up, down)) * jnp.dtype(x.dtype).itemsize <= INT4_DEQUANT_ALL_BYTES:
+        return _moe_ragged(x, idx, w, *(a.dequantize(x.dtype) for a in (gate, up, down)))
     c = min(INT4_EXPERT_CHUNK, e)
     n_chunks = -(-e // c)
     order, xs = _sort_pairs(x, idx)
