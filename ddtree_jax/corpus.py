@@ -17,8 +17,10 @@ unknown licence, or none at all, is left out and listed in the manifest's `skipp
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -149,3 +151,37 @@ def collect(
                 continue
             kept.append((SourceFile(name, dist.version, lic, path, digest, len(raw)), text))
     return kept, report
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """A manifest written by `experiments/prepare_data.py --installed` (.json, or .json.gz)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        manifest = json.load(f)
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+        raise ValueError(f"{path} is not a corpus manifest: no 'files' list")
+    return manifest
+
+
+def from_manifest(manifest: dict, progress: bool = False) -> list[tuple[SourceFile, str]]:
+    """The files a manifest lists, read back in its order and checked against their SHA-256:
+    the same corpus on the same image, without collecting it afresh.
+
+    Raises:
+      ValueError: a listed file is missing or its content differs (the first such file is named).
+    """
+    out = []
+    for entry in tqdm(manifest["files"], desc="manifest", unit="file", disable=not progress):
+        f = SourceFile(**entry)
+        try:
+            with open(f.path, "rb") as fh:
+                raw = fh.read()
+        except OSError as err:
+            raise ValueError(f"manifest file {f.path} ({f.source} {f.version}) cannot be read: {err}") from None
+        if _digest(raw) != f.sha256:
+            raise ValueError(
+                f"manifest file {f.path} ({f.source} {f.version}) has changed: SHA-256 {_digest(raw)}, "
+                f"the manifest says {f.sha256}"
+            )
+        out.append((f, raw.decode("utf-8", errors="replace")))
+    return out

@@ -16,6 +16,7 @@ Writes into --out:
                                        package versions, wall time
 
     python experiments/prepare_data.py --out data --vocab-size 8192 [--installed]
+    python experiments/prepare_data.py --out data2 --installed --manifest data/manifest.json   # the same again
 """
 
 from __future__ import annotations
@@ -54,12 +55,20 @@ def main(argv: list[str] | None = None) -> dict:
         "(ddtree_jax.corpus: deduplicated, held-out copies and HumanEval prompts removed; manifest.json)",
     )
     parser.add_argument(
+        "--manifest",
+        default=None,
+        help="with --installed: read the files an earlier run's manifest.json(.gz) lists, each checked "
+        "against its SHA-256, instead of collecting them (the same data again on the same image)",
+    )
+    parser.add_argument(
         "--any-versions",
         action="store_true",
         help="accept package versions other than the pins (the data then differs from the shipped models')",
     )
     args = parser.parse_args(argv)
 
+    if args.manifest and not args.installed:
+        parser.error("--manifest needs --installed")
     t0 = time.perf_counter()
     try:
         versions = {} if args.installed else data.check_package_versions(args.packages, strict=not args.any_versions)
@@ -69,8 +78,16 @@ def main(argv: list[str] | None = None) -> dict:
     texts = {split: data.read_texts(split, args.root, progress=True) for split in data.SPLITS}
     prompts = data.humaneval_prompts()
     if args.installed:
-        held_out = texts["validation"] + texts["test"]
-        files, report = corpus.collect(prompts, held_out, exclude=("ddtree_jax",), progress=True)
+        if args.manifest:
+            try:
+                manifest = corpus.read_manifest(args.manifest)
+                files = corpus.from_manifest(manifest, progress=True)
+            except (OSError, ValueError) as e:
+                parser.error(f"--manifest {args.manifest}: {e}")
+            report = manifest.get("report", {})
+        else:
+            held_out = texts["validation"] + texts["test"]
+            files, report = corpus.collect(prompts, held_out, exclude=("ddtree_jax",), progress=True)
         extra = {}
         for f, text in files:
             extra.setdefault(f.source, []).append(text)

@@ -1,9 +1,12 @@
 """The installed-distributions corpus: licences, deduplication, decontamination, the manifest."""
 
+import gzip
 import importlib.metadata
 import json
+import shutil
 
 import numpy as np
+import pytest
 
 from ddtree_jax import corpus, data
 from tests.test_data import _prepare_data, fake_root  # noqa: F401 (a fixture)
@@ -84,3 +87,37 @@ def test_prepare_data_installed_writes_a_manifest(fake_root, tmp_path_factory, m
     extra = data.tokenize_texts(tok, extra)
     want = np.concatenate([data.tokenize_split(tok, "train", root), extra])
     np.testing.assert_array_equal(np.load(out / "train.npy"), want)
+
+
+def test_prepare_data_replays_a_manifest_and_refuses_a_changed_file(fake_root, tmp_path_factory, monkeypatch):  # noqa: F811
+    """--manifest reads the listed files back (no collection): the same train stream; a file
+    edited since, or gone, stops the run naming it."""
+    root, texts = fake_root
+    site = tmp_path_factory.mktemp("site")
+    dists = make_site(site, texts[data.split_files("test", root)[0]])
+    monkeypatch.setattr(corpus.importlib.metadata, "distributions", lambda: dists)
+    monkeypatch.setattr(data, "humaneval_prompts", lambda: [PROMPT])
+    first, again = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("again")
+    common = ["--root", str(root), "--vocab-size", "600", "--installed"]
+    _prepare_data().main(["--out", str(first), *common])
+    with open(first / "manifest.json", "rb") as src, gzip.open(first / "manifest.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    # Collecting would now find nothing: the replay must come from the manifest alone.
+    monkeypatch.setattr(corpus.importlib.metadata, "distributions", lambda: [])
+    _prepare_data().main(["--out", str(again), *common, "--manifest", str(first / "manifest.json.gz")])
+    np.testing.assert_array_equal(np.load(again / "train.npy"), np.load(first / "train.npy"))
+    assert (
+        json.loads((again / "manifest.json").read_text())["files"]
+        == json.loads((first / "manifest.json").read_text())["files"]
+    )
+
+    (site / "a" / "core.py").write_text("def core():\n    return 2\n")
+    with pytest.raises(SystemExit):
+        _prepare_data().main(["--out", str(again), *common, "--manifest", str(first / "manifest.json")])
+    with pytest.raises(ValueError, match=r"a/core.py \(pkg-a 1.2\) has changed"):
+        corpus.from_manifest(corpus.read_manifest(first / "manifest.json"))
+    (site / "a" / "core.py").unlink()
+    with pytest.raises(ValueError, match=r"a/core.py \(pkg-a 1.2\) cannot be read"):
+        corpus.from_manifest(corpus.read_manifest(first / "manifest.json"))
+    with pytest.raises(SystemExit):
+        _prepare_data().main(["--out", str(again), "--root", str(root), "--manifest", "x.json"])  # no --installed
