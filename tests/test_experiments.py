@@ -33,11 +33,12 @@ def data_dir(tmp_path_factory):
     return out
 
 
-def run_script(name, *args):
+def run_script(name, *args, env=None):
     return subprocess.run(
         [sys.executable, os.path.join(REPO, "experiments", name), *map(str, args)],
         capture_output=True,
         text=True,
+        env=env,
     )
 
 
@@ -113,6 +114,22 @@ def test_train_drafter_rejects_a_window_below_the_block(data_dir, tmp_path):
     )
     assert proc.returncode != 0
     assert "--sliding-window 8" in proc.stderr and "block_size=16" in proc.stderr
+
+
+def test_compile_time_script_splits_warm_time(tiny_pair, tmp_path):
+    out = tmp_path / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # it makes a fresh cache
+    proc = run_script(
+        "compile_time.py",
+        *("--checkpoints", tiny_pair, "--dtype", "float32", "--budgets", 4),
+        *("--prompt-len", 8, "--max-new-tokens", 4, "--out", out),
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4)]
+    for r in rows:
+        assert 0 < r["lower_s"] < r["cold_s"] and r["run_s"] > 0, r
 
 
 def test_drafter_tau_script_compares_windows(data_dir, tiny_pair, tmp_path):
