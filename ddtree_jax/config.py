@@ -434,7 +434,7 @@ SMALL = TargetConfig(
     bos_token_id=1,
     eos_token_id=2,
 )
-"""The model we train and ship: ~10M parameters so that target + drafter fit 25 MB in bf16."""
+"""The v1-v3 shipped target: ~10M parameters, so that target + drafter fit 25 MB in bf16."""
 
 MEDIUM = TargetConfig(
     vocab_size=8192,
@@ -460,7 +460,7 @@ MEDIUM = TargetConfig(
     bos_token_id=1,
     eos_token_id=2,
 )
-"""The next shipped target (issue 17): Kimi-K2's layout (a dense first layer, 16 routed experts,
+"""The shipped target since v4 (issue 17): Kimi-K2's layout (a dense first layer, 16 routed experts,
 top-2, no group limit, a shared expert) at 36.4M parameters (14.8M active per token), trained
 in floating point and shipped with its routed experts INT4 (group 32,
 `model.quantize_experts`). Stored so, it fits the 48 MB `checkpoints/` budget together with
