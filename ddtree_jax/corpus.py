@@ -178,9 +178,10 @@ def from_manifest(manifest: dict, progress: bool = False) -> list[tuple[SourceFi
                 raw = fh.read()
         except OSError as err:
             raise ValueError(f"manifest file {f.path} ({f.source} {f.version}) cannot be read: {err}") from None
-        if _digest(raw) != f.sha256:
+        digest = _digest(raw)
+        if digest != f.sha256:
             raise ValueError(
-                f"manifest file {f.path} ({f.source} {f.version}) has changed: SHA-256 {_digest(raw)}, "
+                f"manifest file {f.path} ({f.source} {f.version}) has changed: SHA-256 {digest}, "
                 f"the manifest says {f.sha256}"
             )
         out.append((f, raw.decode("utf-8", errors="replace")))

@@ -56,10 +56,10 @@ def main():
         rows = []
         print(f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}")
         for method, budget in programs:
+            drafter = None if method == "ar" else s.drafter
 
-            def call(m=method, b=budget):
-                drafter = None if m == "ar" else s.drafter
-                return generate(s.target, drafter, ids, method=m, tree_budget=b, **kw)
+            def call(d=drafter, m=method, b=budget):
+                return generate(s.target, d, ids, method=m, tree_budget=b, **kw)
 
             cold = timed(call)
             jax.clear_caches()
@@ -67,7 +67,7 @@ def main():
             run = timed(call)
             jax.clear_caches()
             t0 = time.perf_counter()
-            lower(s.target, None if method == "ar" else s.drafter, ids, method=method, tree_budget=budget, **kw)
+            lower(s.target, drafter, ids, method=method, tree_budget=budget, **kw)
             lowering = time.perf_counter() - t0
             rows.append(dict(method=method, budget=budget, cold_s=cold, warm_s=warm, run_s=run, lower_s=lowering))
             print(

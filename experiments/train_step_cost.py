@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import glob
 import json
 import tempfile
 
@@ -27,31 +26,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import compile_cache, config, model, train
-from ddtree_jax.pallas.bench_util import device_time
+from ddtree_jax.pallas.bench_util import device_time, kernel_events
 from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_experts_xla
 
 
 def kernel_table(fn, args, reps: int, top: int) -> list[dict]:
     """The `top` kernels of fn(*args) by device time per call, summed by name (GPU traces only)."""
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(fn(*args))
-    totals = collections.Counter()
-    counts = collections.Counter()
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         for _ in range(reps):
             jax.block_until_ready(fn(*args))
         jax.profiler.stop_trace()
-        for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-            for plane in ProfileData.from_file(path).planes:
-                if not plane.name.startswith("/device:GPU"):
-                    continue
-                for line in plane.lines:
-                    if line.name.startswith("Stream"):
-                        for e in line.events:
-                            totals[e.name] += e.duration_ns * 1e-9 / reps
-                            counts[e.name] += 1 / reps
+        events, _ = kernel_events(trace_dir)
+    totals, counts = collections.Counter(), collections.Counter()
+    for _, duration, name in events:
+        totals[name] += duration / reps
+        counts[name] += 1 / reps
     return [{"kernel": k, "ms_per_step": 1e3 * v, "launches_per_step": counts[k]} for k, v in totals.most_common(top)]
 
 

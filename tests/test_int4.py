@@ -26,10 +26,6 @@ def quantized():
     return model.quantize_experts(random_target(tiny(), seed=21))
 
 
-def _dequantized(q):
-    return model.dequantize_experts(q, jnp.float32)
-
-
 def test_dequantize_experts_inverts_quantize_experts_up_to_rounding():
     dense = random_target(tiny(), seed=3)
     back = model.dequantize_experts(model.quantize_experts(dense, group_size=32))
@@ -69,7 +65,7 @@ def test_int4_logits_are_those_of_the_dequantized_model(quantized, monkeypatch):
     """Exact numerics: the INT4 model is its dequantized dense model, token for token and bit for bit."""
     from ddtree_jax.pallas.moe import reference
 
-    dense = _dequantized(quantized)
+    dense = model.dequantize_experts(quantized)
     kw = dict(max_new_tokens=16, stop_token_ids=())
     assert dj.generate(quantized, PROMPTS, **kw).to_lists() == dj.generate(dense, PROMPTS, **kw).to_lists()
     # The XLA paths match the reference: gather for decode; for many tokens the grouped GEMM,

@@ -26,8 +26,8 @@ A kernel that only streams weights in can exceed it (the HBM3e spec is 4.8 TB/s)
 "% peak" above 100 means a read-only stream faster than that copy, not an error."""
 
 
-def _kernel_events(trace_dir: str) -> tuple[list[tuple[float, float]], list[str]]:
-    """(start, duration) seconds of every kernel on a GPU stream in the trace in
+def kernel_events(trace_dir: str) -> tuple[list[tuple[float, float, str]], list[str]]:
+    """(start, duration) seconds and name of every kernel on a GPU stream in the trace in
     `trace_dir`, by start, and the (plane: line) names seen (to say why, when there are none)."""
     from jax.profiler import ProfileData
 
@@ -39,7 +39,7 @@ def _kernel_events(trace_dir: str) -> tuple[list[tuple[float, float]], list[str]
                 continue
             for line in plane.lines:
                 if line.name.startswith("Stream"):
-                    out += [(e.start_ns * 1e-9, e.duration_ns * 1e-9) for e in line.events]
+                    out += [(e.start_ns * 1e-9, e.duration_ns * 1e-9, e.name) for e in line.events]
     return sorted(out), seen
 
 
@@ -73,13 +73,13 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
                 jax.block_until_ready(fn(*copies[i % len(copies)]))
         finally:
             jax.profiler.stop_trace()
-        events, seen = _kernel_events(trace_dir)
+        events, seen = kernel_events(trace_dir)
     if not events or len(events) % reps:
         if jax.default_backend() == "gpu":
             print(f"device_time: {len(events)} kernels for {reps} calls; trace lines: {sorted(set(seen))[:20]}")
         return time_call(lambda: fn(*args), reps)[0], "wall"
     per_call = len(events) // reps
-    sums = [sum(d for _, d in events[i * per_call : (i + 1) * per_call]) for i in range(reps)]
+    sums = [sum(d for _, d, _ in events[i * per_call : (i + 1) * per_call]) for i in range(reps)]
     return statistics.median(sums), "device"
 
 
