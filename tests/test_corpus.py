@@ -121,3 +121,6 @@ def test_prepare_data_replays_a_manifest_and_refuses_a_changed_file(fake_root, t
         corpus.from_manifest(corpus.read_manifest(first / "manifest.json"))
     with pytest.raises(SystemExit):
         _prepare_data().main(["--out", str(again), "--root", str(root), "--manifest", "x.json"])  # no --installed
+    (again / "other.json").write_text('{"files": 3}')
+    with pytest.raises(ValueError, match="is not a corpus manifest"):
+        corpus.read_manifest(again / "other.json")
