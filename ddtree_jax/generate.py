@@ -25,7 +25,7 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.checks import check_dtype, check_int
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
-from ddtree_jax.model import TargetParams, append, logits
+from ddtree_jax.model import TargetParams, append, hoist_layers, logits
 from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.pallas import IMPLEMENTATIONS
 from ddtree_jax.sampling import SamplingConfig, choose
@@ -109,6 +109,12 @@ class _State:
 
 def _is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
     return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+HOIST_LOOP_INVARIANTS = True
+"""Do the loop-invariant work on the weights once, before the decode loop
+(`model.hoist_layers`, the drafter's `for_loop`): per-layer slices of the layer stacks,
+small INT4 stacks dequantized. False: in every round (for before / after profiles)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +225,10 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
 @functools.partial(jax.jit, static_argnames=("st",))
 def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _Static) -> GenerateResult:
     b, m = prompts.shape[0], st.max_new_tokens
+    if HOIST_LOOP_INVARIANTS:
+        target = hoist_layers(target, st.numerics, st.implementation)
+        if drafter is not None and hasattr(drafter, "for_loop"):
+            drafter = drafter.for_loop()
     # Allocated inside the jit: the cache never crosses the boundary, and the
     # while_loop updates it in place.
     # The barrier keeps XLA from constant-folding attention over the all-zero cache (slow to compile).

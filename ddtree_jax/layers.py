@@ -11,6 +11,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ddtree_jax.config import TargetConfig, YarnConfig, yarn_get_mscale
 
@@ -104,3 +105,55 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Layer stacks inside a decode loop
+
+
+@struct.dataclass
+class Unstacked:
+    """A layer stack split into one pytree per layer, for an unrolled layer loop.
+
+    Weights are stored stacked (every leaf [L, ...]). Unrolled inside a decode loop,
+    each layer's static slice of a stack is a device copy per round on the GPU (XLA
+    materialises a slice that a GEMM reads; 107 copies in the shipped pair's DDTree
+    round, docs/benchmarks.md). Split once before the loop, the slices are made once.
+    """
+
+    layers: tuple  # L pytrees, each one layer's leaves
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def unstack(stack) -> Unstacked:
+    """Stacked pytree (every leaf [L, ...]) -> Unstacked of L per-layer pytrees."""
+    n = jax.tree.leaves(stack)[0].shape[0]
+    return Unstacked(tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)))
+
+
+def first_layer(stack):
+    """Layer 0 of a stacked or Unstacked layer pytree (for its structure and dtypes)."""
+    return stack.layers[0] if isinstance(stack, Unstacked) else jax.tree.map(lambda a: a[0], stack)
+
+
+def scan_layers(body, carry, xs, *, unroll: bool):
+    """`lax.scan(body, carry, xs, unroll=unroll)`, where `xs` may hold `Unstacked` layer
+    pytrees (always run unrolled: layer i takes the i-th pytree, every other leaf its
+    static slice i)."""
+    split = [x for x in jax.tree.leaves(xs, is_leaf=lambda a: isinstance(a, Unstacked)) if isinstance(x, Unstacked)]
+    if not split:
+        return jax.lax.scan(body, carry, xs, unroll=unroll)
+    n = len(split[0])
+
+    def layer(i):
+        return jax.tree.map(
+            lambda a: a.layers[i] if isinstance(a, Unstacked) else a[i], xs, is_leaf=lambda a: isinstance(a, Unstacked)
+        )
+
+    ys = []
+    for i in range(n):
+        carry, y = body(carry, layer(i))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)

@@ -29,7 +29,19 @@ from flax import struct
 from ddtree_jax import weights
 from ddtree_jax.cache import KVCache, LatentKV
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.layers import LATENT_NORM_EPS, apply_rope, einsum, linear, rms_norm, rope_tables, swiglu
+from ddtree_jax.layers import (
+    LATENT_NORM_EPS,
+    Unstacked,
+    apply_rope,
+    einsum,
+    first_layer,
+    linear,
+    rms_norm,
+    rope_tables,
+    scan_layers,
+    swiglu,
+    unstack,
+)
 from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.numerics import tile_rows
 from ddtree_jax.pallas.mla_attention import mla_attention
@@ -97,8 +109,8 @@ class TargetParams:
 
     config: TargetConfig = struct.field(pytree_node=False)
     embed: jax.Array  # [V, H]
-    dense_layers: LayerParams | None  # leaves [Ld, ...]
-    moe_layers: LayerParams | None  # leaves [Lm, ...]
+    dense_layers: LayerParams | None  # leaves [Ld, ...] (or `layers.Unstacked`: `hoist_layers`)
+    moe_layers: LayerParams | None  # leaves [Lm, ...] (or `layers.Unstacked`)
     final_norm: jax.Array  # [H]
     lm_head: jax.Array | None  # [H, V]; None when tied to embed
 
@@ -353,6 +365,54 @@ def dequantize_experts(params: TargetParams, dtype=jnp.float32) -> TargetParams:
     )
 
 
+HOIST_MAX_BYTES = 1 << 30
+"""`hoist_layers` prepares a layer stack of at most this many bytes (as prepared)."""
+
+
+def hoist_layers(params: TargetParams, numerics: str, implementation: str = "auto") -> TargetParams:
+    """The target as a decode loop should hold it: the loop-invariant work on its weights
+    done once, before the loop, instead of in every round.
+
+    Each layer stack that `forward` unrolls ("fast" numerics, at most `UNROLL_MAX_LAYERS`
+    layers, routed experts not on the Mosaic kernels, which index the stack in place) and
+    that takes at most `HOIST_MAX_BYTES` once prepared is split into per-layer weights
+    (`layers.Unstacked`), its INT4 routed experts dequantized to the model's dtype. Inside
+    the loop, XLA copied each layer's slice of every stacked weight a GEMM reads, and
+    dequantized the experts, every round. Same values: dequantization is exact
+    and deterministic, and slicing moves bytes unchanged.
+
+    Args:
+      params: the target (stacked layers, as loaded).
+      numerics: "exact" or "fast", as resolved for the forward passes.
+      implementation: the kernels' `implementation` (as in `forward`).
+
+    Returns:
+      params, with the stacks that qualify as `Unstacked` (the others unchanged).
+    """
+    if numerics != "fast":
+        return params
+
+    def prepare(stack):
+        if stack is None or isinstance(stack, Unstacked):
+            return stack
+        if jax.tree.leaves(stack)[0].shape[0] > UNROLL_MAX_LAYERS:
+            return stack
+        mlp = stack.mlp
+        moe = isinstance(mlp, MoEParams)
+        path = resolve_moe(implementation, mlp.gate, mlp.up, mlp.down, params.dtype, stacked=True) if moe else None
+        if path == "mosaic":
+            return stack
+        # Only the XLA path dequantizes INT4 experts itself (the others take them or refuse them).
+        int4 = lambda a: path == "xla" and isinstance(a, QuantizedArray)  # noqa: E731
+        leaves = jax.tree.leaves(stack, is_leaf=int4)
+        size = sum(np.prod(a.shape) * (params.dtype.itemsize if int4(a) else a.dtype.itemsize) for a in leaves)
+        if size > HOIST_MAX_BYTES:
+            return stack
+        return unstack(jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4))
+
+    return params.replace(dense_layers=prepare(params.dense_layers), moe_layers=prepare(params.moe_layers))
+
+
 # ----------------------------------------------------------------------------------
 # Layers
 
@@ -539,11 +599,11 @@ def _run_layers(
 
     Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
     """
-    is_moe = isinstance(layers.mlp, MoEParams)
+    is_moe = isinstance(first_layer(layers).mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
     n_layers = cache_ckv.shape[0]
     routed = None  # routed-expert stacks the Mosaic kernels index in place
-    if is_moe and numerics == "fast":
+    if is_moe and numerics == "fast" and not isinstance(layers, Unstacked):
         stacks = (layers.mlp.gate, layers.mlp.up, layers.mlp.down)
         if resolve_moe(implementation, *stacks, x.dtype, stacked=True) == "mosaic":
             # Scanned, each layer's slice of the stacks would reach the kernel as a copy XLA
@@ -589,7 +649,7 @@ def _run_layers(
     # the scan ran; at >= 64 MB of experts a layer the loop's overhead is small anyway.
     unroll = numerics == "fast" and n_layers <= UNROLL_MAX_LAYERS and routed is None
     xs = (layers, cache_ckv, cache_kpe, jnp.arange(n_layers, dtype=jnp.int32))
-    x, (c_kv, k_pe, hidden, counts) = jax.lax.scan(body, x, xs, unroll=unroll)
+    x, (c_kv, k_pe, hidden, counts) = scan_layers(body, x, xs, unroll=unroll)
     return x, c_kv, k_pe, hidden, counts
 
 

@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -64,6 +65,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--numerics", default=None, help="exact or fast (default: generate's for the dtype)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--keep-dump", default=None, help="copy the optimized HLO (and GPU thunk sequence) here")
     args = ap.parse_args()
 
     dump = tempfile.mkdtemp(prefix="loop_ops_")
@@ -101,6 +103,10 @@ def main():
     if thunks:  # GPU only
         with open(thunks[0]) as f:
             summary["thunks"] = body_thunks(f.read())
+    if args.keep_dump:
+        os.makedirs(args.keep_dump, exist_ok=True)
+        for path in [hlo[-1], *thunks]:
+            shutil.copy(path, args.keep_dump)
     print(json.dumps(summary, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -14,7 +14,10 @@ not on tau).
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,7 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, dflash
 from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
+from ddtree_jax.pallas.bench_util import kernel_table
 from ddtree_jax.sampling import SamplingConfig
 
 
@@ -45,23 +49,35 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
     return time_call(lambda: looped(args), repeats)[0] / reps
 
 
-def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, **kwargs) -> float:
-    """Seconds per round of `generate`'s while loop: (t(tokens) - t(1)) / rounds (kwargs: to generate)."""
+def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, kernels: int = 0):
+    """(seconds per round of `generate`'s while loop: (t(tokens) - t(1)) / rounds, kernel table).
 
+    With `kernels` > 0 the `tokens` run is also traced: kernels launched per round (the
+    one-token run's prefill and first step subtracted), their summed time, and the
+    `kernels` largest by time (`bench_util.kernel_table`); else the table is None.
+    """
     draft = None if method == "ar" else dparams
 
-    def run(m):
-        seconds, res = time_call(
-            lambda: generate(
-                target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=(), **kwargs
-            ),
-            repeats,
+    def call(m):
+        return lambda: generate(
+            target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=()
         )
+
+    def run(m):
+        seconds, res = time_call(call(m), repeats)
         return seconds, float(np.asarray(res.rounds).max())
 
     t_one, _ = run(1)
     t_all, rounds = run(tokens)
-    return (t_all - t_one) / rounds
+    table = None
+    if kernels:
+        one, full = kernel_table(call(1), 1, 0), kernel_table(call(tokens), 1, kernels, per=rounds)
+        table = {
+            "kernels_per_round": full["kernels"] - one["kernels"] / rounds,
+            "kernel_ms_per_round": full["kernel_ms"] - one["kernel_ms"] / rounds,
+            "top": full["top"],
+        }
+    return (t_all - t_one) / rounds, table
 
 
 def main():
@@ -80,9 +96,26 @@ def main():
         default=model.UNROLL_MAX_LAYERS,
         help="unroll the target's layer stacks up to this depth (0 = always a scan)",
     )
+    ap.add_argument(
+        "--kernels", type=int, default=0, help="also trace the loops: kernels per round and the N largest (GPU)"
+    )
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="override module constants first, e.g. ddtree_jax.tree.TOP_K_CHUNK=0 (before / after profiles)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model.UNROLL_MAX_LAYERS = args.unroll_max_layers
+    for item in args.set:
+        name, value = item.split("=", 1)
+        module, attr = name.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, attr):
+            raise SystemExit(f"error: {module} has no constant {attr}")
+        setattr(mod, attr, ast.literal_eval(value))
 
     dtype = jnp.dtype(args.dtype)
     if args.random:
@@ -97,6 +130,9 @@ def main():
         shipped = load_shipped(args.checkpoints, dtype=dtype)
         target, dparams = shipped.target, shipped.drafter
     d = DFlashDrafter(params=dparams, block_size=dparams.config.block_size)
+    if sys.modules["ddtree_jax.generate"].HOIST_LOOP_INVARIANTS:  # the stages as the loop runs them
+        target = model.hoist_layers(target, "fast")
+        d = d.for_loop()
     greedy = SamplingConfig()
     key = jax.random.key(0)
     rows = []
@@ -118,7 +154,9 @@ def main():
 
         t_ar = per_call(ar_step, (cache, roots), args.reps)
         loop_prompts = np.asarray(prompt)
-        t_ar_loop = in_loop(target, dparams, loop_prompts, "ar", None, args.loop_tokens)
+        t_ar_loop, ar_kernels = in_loop(
+            target, dparams, loop_prompts, "ar", None, args.loop_tokens, kernels=args.kernels
+        )
         draft_fn = lambda st, cache, roots: d.propose(st, target, cache, roots, key)  # noqa: E731
         t_draft = per_call(draft_fn, (dstate, cache, roots), args.reps)
         logits = jax.jit(draft_fn)(dstate, cache, roots)
@@ -145,7 +183,9 @@ def main():
                 return new_cache.lengths, st
 
             t_finish = per_call(finish, (cache, dstate, tree, choices, out), args.reps)
-            t_round_loop = in_loop(target, dparams, loop_prompts, "ddtree", budget, args.loop_tokens)
+            t_round_loop, round_kernels = in_loop(
+                target, dparams, loop_prompts, "ddtree", budget, args.loop_tokens, kernels=args.kernels
+            )
             row = {
                 "batch": b,
                 "budget": budget,
@@ -160,6 +200,8 @@ def main():
             row["ar_in_loop_ms"] = t_ar_loop * 1e3
             row["round_in_loop_ms"] = t_round_loop * 1e3
             row["round_over_ar_in_loop"] = t_round_loop / t_ar_loop
+            if args.kernels:
+                row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\ndevice {jax.devices()[0].device_kind}, {args.dtype}, context {args.context}, per call (ms)")
@@ -174,6 +216,15 @@ def main():
             f"{r['verify_ms']:.3f} | {r['accept_commit_ms']:.3f} | {r['sum_ms']:.3f} | {r['sum_over_ar']:.2f} | "
             f"{r['ar_in_loop_ms']:.3f} | {r['round_in_loop_ms']:.3f} | {r['round_over_ar_in_loop']:.2f} |"
         )
+    for r in rows if args.kernels else ():
+        for name in ("ar", "round"):
+            k = r[f"{name}_kernels"]
+            print(
+                f"\nbatch {r['batch']} budget {r['budget']}, {name} in loop: {k['kernels_per_round']:.0f} kernels, "
+                f"{k['kernel_ms_per_round']:.3f} ms of kernels per round\n| kernel | ms / round | launches / round |"
+            )
+            for t in k["top"]:
+                print(f"| {t['kernel'][:80]} | {t['ms']:.4f} | {t['launches']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows}, f, indent=1)

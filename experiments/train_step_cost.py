@@ -16,34 +16,16 @@ Device time (`pallas.bench_util.device_time`: the profiler's kernel time per cal
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import compile_cache, config, model, train
-from ddtree_jax.pallas.bench_util import device_time, kernel_events
+from ddtree_jax.pallas.bench_util import device_time, kernel_table
 from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_experts_xla
-
-
-def kernel_table(fn, args, reps: int, top: int) -> list[dict]:
-    """The `top` kernels of fn(*args) by device time per call, summed by name (GPU traces only)."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        for _ in range(reps):
-            jax.block_until_ready(fn(*args))
-        jax.profiler.stop_trace()
-        events, _ = kernel_events(trace_dir)
-    totals, counts = collections.Counter(), collections.Counter()
-    for _, duration, name in events:
-        totals[name] += duration / reps
-        counts[name] += 1 / reps
-    return [{"kernel": k, "ms_per_step": 1e3 * v, "launches_per_step": counts[k]} for k, v in totals.most_common(top)]
 
 
 def main(argv=None):
@@ -83,7 +65,7 @@ def main(argv=None):
         s, _ = device_time(jax.jit(fwd_bwd), (x, *weights), args.reps)
         rows[f"moe_{name.split()[0]}_ms_per_layer"] = 1e3 * s
         rows[f"moe_{name.split()[0]}_ms_all_layers"] = 1e3 * s * moe_layers
-    rows["kernels"] = kernel_table(step, (state, tokens), args.reps, args.top)
+    rows["kernels"] = kernel_table(lambda: step(state, tokens), args.reps, args.top)["top"]
 
     tokens_per_s = args.batch * args.seq / step_s
     print(
@@ -97,7 +79,7 @@ def main(argv=None):
         )
     print("| kernel | ms / step | launches / step |\n| --- | --- | --- |")
     for r in rows["kernels"]:
-        print(f"| {r['kernel'][:70]} | {r['ms_per_step']:.2f} | {r['launches_per_step']:.0f} |")
+        print(f"| {r['kernel'][:70]} | {r['ms']:.2f} | {r['launches']:.0f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), **rows}, f, indent=1)

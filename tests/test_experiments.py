@@ -313,13 +313,14 @@ def test_loop_ops_counts_the_decode_loop_body(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["by_kind"]["fusion"] > 100
     assert {"draft", "verify", "build_tree"} <= set(summary["by_scope"])
-    # The unrolled layers of both models slice their stacked weights inside the loop body:
-    # more slices than the caches alone (<= 2 per layer) would need.
+    # Both models' layers are split before the loop (`model.hoist_layers`, the drafter's
+    # `for_loop`): the body slices no stacked weight, only the caches (at most 2 a layer of
+    # either model; unsplit, the shipped pair's body sliced 67 arrays in bf16).
     layers = 0
     for part in ("target", "drafter"):
         with open(os.path.join(REPO, "checkpoints", part, "config.json")) as f:
             layers += json.load(f)["num_hidden_layers"]
-    assert summary["slices"] > 2 * layers
+    assert summary["slices"] <= 2 * layers
 
 
 def test_k2_memory_plan_compiles_a_full_width_slice_for_8_devices(tmp_path):

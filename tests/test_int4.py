@@ -68,8 +68,11 @@ def test_int4_logits_are_those_of_the_dequantized_model(quantized, monkeypatch):
     dense = model.dequantize_experts(quantized)
     kw = dict(max_new_tokens=16, stop_token_ids=())
     assert dj.generate(quantized, PROMPTS, **kw).to_lists() == dj.generate(dense, PROMPTS, **kw).to_lists()
-    # The XLA paths match the reference: gather for decode; for many tokens the grouped GEMM,
-    # over the whole small stack, or (forced here) over chunks of 3 of the 8 experts, the last padded.
+    # The XLA paths match the reference: gather for decode, the dense pass for a few tokens;
+    # (forced here) the grouped GEMM, over the whole small stack or over chunks of 3 of the 8
+    # experts, the last padded.
+    _check_xla_paths(quantized)  # t = 9: the dense pass
+    monkeypatch.setattr(reference, "DENSE_MAX_TOKENS", 0)
     for all_bytes, chunk in ((reference.INT4_DEQUANT_ALL_BYTES, 8), (0, 3)):
         monkeypatch.setattr(reference, "INT4_DEQUANT_ALL_BYTES", all_bytes)
         monkeypatch.setattr(reference, "INT4_EXPERT_CHUNK", chunk)
@@ -86,6 +89,37 @@ def _check_xla_paths(quantized):
         w = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
         want = moe_experts_reference(x, idx, w, g, u, d)
         np.testing.assert_allclose(moe_experts_xla(x, idx, w, g, u, d), want, rtol=1e-5, atol=1e-5)
+
+
+def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
+    """`hoist_layers` (per-layer weights, INT4 experts dequantized, before a decode loop)
+    changes no bit of a "fast" forward; it leaves "exact" numerics, long stacks and stacks
+    over HOIST_MAX_BYTES alone."""
+    from ddtree_jax.layers import Unstacked
+
+    cfg = quantized.config
+    hoisted = model.hoist_layers(quantized, "fast")
+    for stack in (hoisted.dense_layers, hoisted.moe_layers):
+        assert isinstance(stack, Unstacked)
+        assert not any(
+            isinstance(a, quant.QuantizedArray)
+            for a in jax.tree.leaves(stack, is_leaf=lambda a: isinstance(a, quant.QuantizedArray))
+        )
+    assert len(hoisted.moe_layers) == cfg.num_hidden_layers - cfg.first_k_dense_replace
+    tokens = jnp.asarray([[5, 17, 33, 2, 9, 250, 1, 7, 7]], jnp.int32)
+    positions = jnp.arange(9, dtype=jnp.int32)[None]
+    cache = model.KVCache.init(cfg, 1, 16)
+    mask = jnp.tril(jnp.ones((1, 9, 9), bool))
+    run = jax.jit(lambda p: model.forward(p, tokens, positions, cache, mask, tap_layers=(0, 1), numerics="fast"))
+    want, got = run(quantized), run(hoisted)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert model.hoist_layers(quantized, "exact") is quantized
+    monkeypatch.setattr(model, "HOIST_MAX_BYTES", 0)
+    assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
+    monkeypatch.setattr(model, "HOIST_MAX_BYTES", 1 << 30)
+    monkeypatch.setattr(model, "UNROLL_MAX_LAYERS", 0)
+    assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
 
 
 def test_quantized_greedy_ddtree_equals_quantized_ar(quantized):

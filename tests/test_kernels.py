@@ -86,9 +86,14 @@ def test_mla_attention_checks_shapes_and_implementation():
         mla_attention(*args, z((1, 2, 2), bool), scale=1.0, implementation="cuda")
 
 
+@pytest.mark.parametrize("dense_max", [0, 64])
 @pytest.mark.parametrize(("t", "k", "e"), [(1, 2, 8), (3, 2, 8), (4, 2, 8), (9, 3, 8), (33, 8, 16)])
-def test_moe_xla_paths_equal_dense_reference(t, k, e):
-    """T*K <= E takes the weight gather, larger takes ragged_dot: both must equal the oracle."""
+def test_moe_xla_paths_equal_dense_reference(t, k, e, dense_max, monkeypatch):
+    """T*K <= E takes the weight gather; larger takes ragged_dot (dense_max 0) or, up to
+    DENSE_MAX_TOKENS tokens, the dense pass: each must equal the oracle."""
+    from ddtree_jax.pallas.moe import reference
+
+    monkeypatch.setattr(reference, "DENSE_MAX_TOKENS", dense_max)
     key = jax.random.split(jax.random.PRNGKey(t * 10 + k), 6)
     h, i = 12, 10
     x = jax.random.normal(key[0], (t, h))

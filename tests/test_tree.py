@@ -197,3 +197,17 @@ def test_chain_and_root_only():
 def test_bad_budget(budget, error):
     with pytest.raises(error, match="budget"):
         tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), budget)
+
+
+@pytest.mark.parametrize(("n", "k"), [(600, 32), (8192, 32), (3576, 64), (513, 256), (1000, 1)])
+def test_two_stage_top_k_is_lax_top_k(n, k):
+    """Same values and indices as one `lax.top_k`, ties (few distinct values) and -inf included."""
+    rng = np.random.default_rng(n + k)
+    x = np.round(rng.normal(size=(3, 2, n)) * 2) / 2  # ~15 distinct values: many ties
+    x[0, 0, rng.integers(0, n, n // 3)] = -np.inf
+    x[1, 1, :] = -np.inf  # a row of ties only
+    x = jnp.asarray(x, jnp.float32)
+    want = jax.lax.top_k(x, k)
+    got = tree.top_k(x, k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

@@ -35,7 +35,17 @@ from flax import struct
 from ddtree_jax import hf, weights
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import ConfigError, TargetConfig, YarnConfig, parse_rope, read_json, yarn_hf_dict
-from ddtree_jax.layers import apply_rope, einsum, linear, rms_norm, rope_inv_freq, swiglu
+from ddtree_jax.layers import (
+    Unstacked,
+    apply_rope,
+    einsum,
+    linear,
+    rms_norm,
+    rope_inv_freq,
+    scan_layers,
+    swiglu,
+    unstack,
+)
 from ddtree_jax.model import TargetParams
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
@@ -454,7 +464,7 @@ class DrafterParams:
     config: DrafterConfig = struct.field(pytree_node=False)
     fc: jax.Array  # [n_taps * H, H]
     hidden_norm: jax.Array  # [H]
-    layers: DrafterLayerParams  # leaves [Ld, ...]
+    layers: DrafterLayerParams  # leaves [Ld, ...] (or `layers.Unstacked` in a decode loop)
     norm: jax.Array  # [H]
 
     @property
@@ -617,7 +627,7 @@ def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]
     def body(_, lp):
         return None, _keys_values(cfg, lp, ctx, cos, sin)
 
-    return jax.lax.scan(body, None, params.layers, unroll=True)[1]
+    return scan_layers(body, None, params.layers, unroll=True)[1]
 
 
 def _attention(
@@ -677,7 +687,7 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
 
-    x, _ = jax.lax.scan(body, x, (params.layers, *layer_kv, windows, causal), unroll=True)  # few layers: no device loop
+    x, _ = scan_layers(body, x, (params.layers, *layer_kv, windows, causal), unroll=True)  # few layers: no device loop
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 
@@ -873,6 +883,14 @@ class DFlashDrafter:
     @property
     def tap_final_norm(self) -> bool:
         return self.params.config.tap_final_norm
+
+    def for_loop(self) -> DFlashDrafter:
+        """This drafter with its layers split per layer, done once before a decode loop
+        (`layers.Unstacked`: unrolled in the loop, each layer's slice of a stacked weight
+        was a device copy every round)."""
+        if isinstance(self.params.layers, Unstacked):
+            return self
+        return self.replace(params=self.params.replace(layers=unstack(self.params.layers)))
 
     def init_state(self, target: TargetParams, batch: int, capacity: int) -> DrafterCache:
         return DrafterCache.init(self.params.config, batch, capacity, self.params.fc.dtype)

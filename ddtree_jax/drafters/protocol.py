@@ -16,7 +16,8 @@ from ddtree_jax.checks import check_int
 from ddtree_jax.drafters.dflash import DFlashDrafter, DrafterParams
 
 PROTOCOL = ("block_size", "tap_layers", "tap_final_norm", "init_state", "observe", "propose")
-"""What the decode loop uses of a drafter; any pytree with these members works."""
+"""What the decode loop uses of a drafter; any pytree with these members works. Optional:
+`for_loop()`, the drafter prepared for a decode loop (called once, inside the jit, before it)."""
 
 
 def is_drafter(x: Any) -> bool:

@@ -8,6 +8,7 @@ backend) it falls back to wall-clock time and says so.
 
 from __future__ import annotations
 
+import collections
 import glob
 import statistics
 import tempfile
@@ -81,6 +82,37 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
     per_call = len(events) // reps
     sums = [sum(d for _, d, _ in events[i * per_call : (i + 1) * per_call]) for i in range(reps)]
     return statistics.median(sums), "device"
+
+
+def kernel_table(fn, calls: int, top: int, per: float = 1.0) -> dict:
+    """The kernels of `calls` calls of fn(), by name, from a profiler trace (GPU traces only).
+
+    One untimed call compiles. Figures are per `per` units of work (a call: per = 1; a
+    generate call of R rounds: per = R): "kernels" launched and "kernel_ms" summed over
+    every kernel, "span_ms" from the first kernel's start to the last one's end (busy
+    time plus every gap between kernels, between calls too), and the `top` names by time.
+    """
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        finally:
+            jax.profiler.stop_trace()
+        events, _ = kernel_events(trace_dir)
+    n = calls * per
+    totals, counts = collections.Counter(), collections.Counter()
+    for _, duration, name in events:
+        totals[name] += duration
+        counts[name] += 1
+    span = events[-1][0] + events[-1][1] - events[0][0] if events else 0.0
+    return {
+        "kernels": len(events) / n,
+        "kernel_ms": 1e3 * sum(totals.values()) / n,
+        "span_ms": 1e3 * span / n,
+        "top": [{"kernel": k, "ms": 1e3 * v / n, "launches": counts[k] / n} for k, v in totals.most_common(top)],
+    }
 
 
 def percent_of_peak(flops: float, nbytes: float, seconds: float) -> float:

@@ -5,9 +5,10 @@ per token. Expert e computes down_e(silu(x @ gate_e) * (x @ up_e)); token t's
 output is sum_k w[t, k] * expert_{idx[t, k]}(x_t).
 
 `moe_experts_reference` runs every expert on every token (simple, obviously
-right; the test oracle). The XLA path in `moe_experts_xla` does only the routed
-work: a weight gather when few (token, expert) pairs are live (decode), a
-sort + `jax.lax.ragged_dot` grouped GEMM otherwise (prefill, tree verify).
+right; the test oracle). The XLA path in `moe_experts_xla` takes a weight gather
+when few (token, expert) pairs are live (decode), the reference's dense pass for up to
+`DENSE_MAX_TOKENS` tokens (tree verify), and a sort + `jax.lax.ragged_dot` grouped GEMM,
+doing only the routed work, beyond (prefill).
 
 INT4 experts (`quant.QuantizedArray`) are dequantized to x's dtype where they are
 used: the reference dequantizes all of them; the XLA path only the gathered
@@ -27,6 +28,12 @@ from ddtree_jax.quant import QuantizedArray
 
 GATHER_MAX_PAIRS_PER_EXPERT = 1
 """Use the weight gather when T * K <= this * E: it then streams no more weight than a dense pass."""
+DENSE_MAX_TOKENS = 128
+"""Above the gather, up to this many tokens every expert runs on every token (the
+reference's batched GEMMs, E / K times the routed FLOPs) instead of sort + ragged_dot.
+Both read every expert's weights once; the dense FLOPs stay below the time of that read
+while T < peak FLOP/s / HBM bytes/s (~240 on an H200 for bf16 weights), and the dense
+path launches no sort, gather or scatter: a tree verify's MoE in a launch-bound round."""
 INT4_EXPERT_CHUNK = 8
 """INT4 experts the grouped XLA path dequantizes at a time, in a scan over chunks..."""
 INT4_DEQUANT_ALL_BYTES = 64 * 2**20
@@ -147,6 +154,8 @@ def moe_experts_xla(x, idx, w, gate, up, down):
     t, k = idx.shape
     if t * k <= GATHER_MAX_PAIRS_PER_EXPERT * gate.shape[0]:
         return _moe_gather(x, idx, w, gate, up, down)
+    if t <= DENSE_MAX_TOKENS:
+        return moe_experts_reference(x, idx, w, gate, up, down)
     if isinstance(gate, QuantizedArray):
         return _moe_ragged_int4(x, idx, w, gate, up, down)
     return _moe_ragged(x, idx, w, gate, up, down)
