@@ -112,16 +112,20 @@ PALLAS_SCRIPT = textwrap.dedent(
     np.testing.assert_allclose(got, mla_attention(*q8, *kv8, mask8, scale=0.3), atol=1e-4, rtol=1e-4)
 
     # The XLA path's routed experts run expert-parallel by hand too (GSPMD alone all-gathers
-    # every expert): weight gather (T * K <= E) and grouped GEMM, dense and INT4.
+    # every expert): weight gather (T * K <= E), the dense pass and the grouped GEMM (dense
+    # pass off), bf16 and INT4 weights.
+    from ddtree_jax.pallas.moe import reference
     from ddtree_jax.quant import Int4
-    moe_xla = jax.jit(lambda *a: moe_experts(*a, implementation="xla"))
     q4 = [Int4(group_size=8).quantize(a) for a in (f(8, 16, 16), f(8, 16, 16), f(8, 16, 16))]
-    for t, weights in ((2, (gate, up, down)), (6, (gate, up, down)), (2, q4), (6, q4)):
-        args = (x[:t], idx[:t], w[:t], *weights)
-        with jax.set_mesh(mesh):
-            assert "shard_map" in str(jax.make_jaxpr(moe_xla)(*args))
-            got = moe_xla(*args)
-        np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-4, rtol=1e-4)
+    for dense_max in (reference.DENSE_MAX_TOKENS, 0):
+        reference.DENSE_MAX_TOKENS = dense_max
+        moe_xla = jax.jit(lambda *a: moe_experts(*a, implementation="xla"))
+        for t, weights in ((2, (gate, up, down)), (6, (gate, up, down)), (2, q4), (6, q4)):
+            args = (x[:t], idx[:t], w[:t], *weights)
+            with jax.set_mesh(mesh):
+                assert "shard_map" in str(jax.make_jaxpr(moe_xla)(*args))
+                got = moe_xla(*args)
+            np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-4, rtol=1e-4)
 
     # Layer stacks [L, E, ...] with an index, as the model hands a Mosaic kernel its routed
     # experts, split over the stacks' expert axis. Mosaic GPU's interpreter hangs under an

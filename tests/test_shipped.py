@@ -107,7 +107,9 @@ def test_trained_drafter_accepts_more_than_random(shipped, prompt_ids, greedy):
     tau = greedy["ddtree64"].tau
     assert tau > MIN_TRAINED_TAU, f"DDTree(64) tau {tau:.2f} with the shipped drafter"
     assert greedy["ddtree64"].tau >= 1.2 * greedy["dflash"].tau > 1.2  # the tree beats the chain
-    # The bound must separate trained from untrained: a random drafter of the same config stays below it.
+    # The bound must separate trained from untrained: a random drafter of the same config stays
+    # below it. Fast numerics: tau does not need exact ones, and a random drafter's ~1 token a
+    # round costs 48 verifies each. (Exactness with drafters that miss: test_decode, test_int4.)
     random_drafter = dflash.init_params(shipped.drafter.config, jax.random.PRNGKey(0))
     res = generate(
         shipped.target,
@@ -117,8 +119,8 @@ def test_trained_drafter_accepts_more_than_random(shipped, prompt_ids, greedy):
         tree_budget=64,
         max_new_tokens=NEW_TOKENS,
         stop_token_ids=(),
+        numerics="fast",
     )
-    assert res.to_lists() == greedy["ar"].to_lists()  # still exact, just slow
     assert res.tau < MIN_TRAINED_TAU, f"random drafter tau {res.tau:.2f}"
 
 
@@ -135,7 +137,9 @@ def test_sliding_window_keeps_the_drafter_accepting_on_long_prompts(shipped):
     cfg = shipped.drafter.config.with_sliding_window(None)
     taus = {}
     for name, params in (("window", shipped.drafter), ("full", shipped.drafter.replace(config=cfg))):
-        res = generate(shipped.target, params, ids, method="dflash", max_new_tokens=NEW_TOKENS, stop_token_ids=())
+        res = generate(
+            shipped.target, params, ids, method="dflash", max_new_tokens=NEW_TOKENS, stop_token_ids=(), numerics="fast"
+        )
         taus[name] = res.tau
     assert taus["window"] > 2.2 and taus["full"] < 1.6, taus
 
