@@ -43,8 +43,16 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--checkpoints", default=None)
+    ap.add_argument(
+        "--xla-flags",
+        default="",
+        help="appended to XLA_FLAGS before the backend starts, e.g. --xla_gpu_autotune_level=0 (what a flag costs "
+        "or saves in compile and run time)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.xla_flags:  # read when the backend starts: the first device use below
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     with tempfile.TemporaryDirectory() as folder:
         compile_cache.enable(folder)
         if jax.config.jax_compilation_cache_dir != folder:

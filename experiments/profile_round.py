@@ -17,6 +17,7 @@ import argparse
 import ast
 import importlib
 import json
+import os
 import sys
 
 import jax
@@ -106,8 +107,11 @@ def main():
         metavar="MODULE.NAME=VALUE",
         help="override module constants first, e.g. ddtree_jax.tree.TOP_K_CHUNK=0 (before / after profiles)",
     )
+    ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.xla_flags:  # read when the backend starts: the first device use below
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     model.UNROLL_MAX_LAYERS = args.unroll_max_layers
     for item in args.set:
         name, value = item.split("=", 1)
