@@ -9,6 +9,11 @@ divided by the rounds taken ("AR in loop", "round in loop"). Uses the shipped
 checkpoints (or random SMALL with --random) and a prompt of --context tokens already in
 the cache (random ids, so the in-loop tau is low; the round's cost depends on the budget,
 not on tau).
+
+`--kernels N` also traces both loops (GPU): kernels launched and their device time per
+round, and the N largest. `--set MODULE.NAME=VALUE` overrides a module constant first, so
+one call can profile a change on and off, e.g.
+`--set ddtree_jax.generate.HOIST_LOOP_INVARIANTS=False ddtree_jax.tree.TOP_K_CHUNK=0`.
 """
 
 from __future__ import annotations
