@@ -133,9 +133,10 @@ def unstack(stack) -> Unstacked:
     return Unstacked(tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)))
 
 
-def first_layer(stack):
-    """Layer 0 of a stacked or Unstacked layer pytree (for its structure and dtypes)."""
-    return stack.layers[0] if isinstance(stack, Unstacked) else jax.tree.map(lambda a: a[0], stack)
+def layer_structure(stack):
+    """A stacked layer pytree itself, or an Unstacked one's layer 0: either has one layer's
+    pytree structure (for isinstance checks on its parts; no array is sliced)."""
+    return stack.layers[0] if isinstance(stack, Unstacked) else stack
 
 
 def scan_layers(body, carry, xs, *, unroll: bool):

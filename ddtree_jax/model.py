@@ -34,7 +34,7 @@ from ddtree_jax.layers import (
     Unstacked,
     apply_rope,
     einsum,
-    first_layer,
+    layer_structure,
     linear,
     rms_norm,
     rope_tables,
@@ -599,7 +599,7 @@ def _run_layers(
 
     Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
     """
-    is_moe = isinstance(first_layer(layers).mlp, MoEParams)
+    is_moe = isinstance(layer_structure(layers).mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
     n_layers = cache_ckv.shape[0]
     routed = None  # routed-expert stacks the Mosaic kernels index in place

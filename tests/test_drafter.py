@@ -222,6 +222,20 @@ def test_extend_in_two_pieces_equals_all_at_once(params, inputs):
         np.testing.assert_allclose(cache.v[:, row, :n], whole.v[:, row, :n], atol=1e-6)
 
 
+def test_layers_split_for_the_loop_change_no_bit(params, inputs):
+    """`DFlashDrafter.for_loop` (per-layer weights, as the decode loop holds them): the same
+    context cache and draft logits, bit for bit."""
+    from ddtree_jax.drafters import DFlashDrafter
+    from ddtree_jax.layers import Unstacked
+
+    split = DFlashDrafter(params=params, block_size=CFG.block_size).for_loop().params
+    assert isinstance(split.layers, Unstacked) and len(split.layers) == CFG.num_hidden_layers
+    whole, parts = context_cache(params, inputs["features"]), context_cache(split, inputs["features"])
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(parts), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(draft_logits(split, whole, inputs), draft_logits(params, whole, inputs))
+
+
 def test_invalid_entries_and_stale_slots_are_ignored(params, inputs):
     clean = draft_logits(params, context_cache(params, inputs["features"]), inputs)
     rng = np.random.default_rng(1)
