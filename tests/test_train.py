@@ -41,6 +41,30 @@ def test_target_steps_lower_loss_and_balance_router():
     assert float(metrics["max_load"]) >= 1.0
 
 
+def test_dense_experts_train_like_routed_ones(monkeypatch):
+    """`train_target.py --dense-experts` (every expert on every token): the loss and every
+    gradient of the routed path, up to float32 summation order."""
+    from ddtree_jax.pallas.moe import reference
+
+    cfg = tiny()
+    params = random_target(cfg, seed=5, std=0.05)
+    data = jnp.asarray(repetitive_batch(np.random.default_rng(1), 4, 33, cfg.vocab_size))  # 128 tokens a batch
+
+    def loss_and_grads(grouped: bool):  # a new function each time: jit's cache does not see the constant
+        fn = jax.value_and_grad(lambda p: train.target_loss(p, data)[0])
+        assert ("ragged_dot" in str(jax.make_jaxpr(fn)(params))) == grouped
+        return jax.jit(fn)(params)
+
+    monkeypatch.setattr(reference, "DENSE_MAX_TOKENS", 0)
+    routed = loss_and_grads(grouped=True)
+    monkeypatch.setattr(reference, "DENSE_MAX_TOKENS", 1 << 30)
+    dense = loss_and_grads(grouped=False)
+    np.testing.assert_allclose(dense[0], routed[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(dense[1]), jax.tree.leaves(routed[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert np.abs(np.asarray(routed[1].moe_layers.mlp.gate)).max() > 0  # the experts do get gradients
+
+
 def drafter_case(target_seed, drafter_seed, data_seed, b, t, anchors):
     """A tiny target, a 1-layer block-4 drafter for it, and a repetitive batch with anchors."""
     cfg = tiny()
