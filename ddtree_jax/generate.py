@@ -117,6 +117,15 @@ HOIST_LOOP_INVARIANTS = True
 small INT4 stacks dequantized. False: in every round (for before / after profiles)."""
 
 
+def for_loop(target: TargetParams, drafter, numerics: str, implementation: str):
+    """(target, drafter) as the decode loop holds them (`HOIST_LOOP_INVARIANTS`); drafter may be None."""
+    if not HOIST_LOOP_INVARIANTS:
+        return target, drafter
+    if drafter is not None and hasattr(drafter, "for_loop"):
+        drafter = drafter.for_loop()
+    return hoist_layers(target, numerics, implementation), drafter
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything that shapes the compiled loop."""
@@ -225,10 +234,7 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
 @functools.partial(jax.jit, static_argnames=("st",))
 def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _Static) -> GenerateResult:
     b, m = prompts.shape[0], st.max_new_tokens
-    if HOIST_LOOP_INVARIANTS:
-        target = hoist_layers(target, st.numerics, st.implementation)
-        if drafter is not None and hasattr(drafter, "for_loop"):
-            drafter = drafter.for_loop()
+    target, drafter = for_loop(target, drafter, st.numerics, st.implementation)
     # Allocated inside the jit: the cache never crosses the boundary, and the
     # while_loop updates it in place.
     # The barrier keeps XLA from constant-folding attention over the all-zero cache (slow to compile).

@@ -365,6 +365,24 @@ def dequantize_experts(params: TargetParams, dtype=jnp.float32) -> TargetParams:
     )
 
 
+def _routed_path(stack: LayerParams, implementation: str, dtype) -> str | None:
+    """The implementation a stacked layer stack's routed experts run on (None: no MoE)."""
+    mlp = stack.mlp
+    if not isinstance(mlp, MoEParams):
+        return None
+    return resolve_moe(implementation, mlp.gate, mlp.up, mlp.down, dtype, stacked=True)
+
+
+def _unrolled(numerics: str, n_layers: int, routed_path: str | None) -> bool:
+    """Whether `forward` unrolls a stack of `n_layers` (else it scans them). "exact" loops
+    over row tiles and key blocks anyway; unrolling its layers would only multiply the compile
+    time (the shipped target's generate: 20 s unrolled, 14 s scanned). Layers whose routed
+    experts the Mosaic kernels index stay a loop: unrolled, the 4-layer K2 shard's verify died
+    on the H200 (CUDA_ERROR_LAUNCH_FAILED, cause not established) while the scan ran; at >= 64
+    MB of experts a layer the loop's overhead is small anyway."""
+    return numerics == "fast" and n_layers <= UNROLL_MAX_LAYERS and routed_path != "mosaic"
+
+
 HOIST_MAX_BYTES = 1 << 30
 """`hoist_layers` prepares a layer stack of at most this many bytes (as prepared)."""
 
@@ -389,18 +407,14 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
     Returns:
       params, with the stacks that qualify as `Unstacked` (the others unchanged).
     """
-    if numerics != "fast":
+    if numerics != "fast":  # no stack is unrolled
         return params
 
     def prepare(stack):
         if stack is None or isinstance(stack, Unstacked):
             return stack
-        if jax.tree.leaves(stack)[0].shape[0] > UNROLL_MAX_LAYERS:
-            return stack
-        mlp = stack.mlp
-        moe = isinstance(mlp, MoEParams)
-        path = resolve_moe(implementation, mlp.gate, mlp.up, mlp.down, params.dtype, stacked=True) if moe else None
-        if path == "mosaic":
+        path = _routed_path(stack, implementation, params.dtype)
+        if not _unrolled(numerics, jax.tree.leaves(stack)[0].shape[0], path):
             return stack
         # Only the XLA path dequantizes INT4 experts itself (the others take them or refuse them).
         int4 = lambda a: path == "xla" and isinstance(a, QuantizedArray)  # noqa: E731
@@ -602,14 +616,14 @@ def _run_layers(
     is_moe = isinstance(layer_structure(layers).mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
     n_layers = cache_ckv.shape[0]
+    stacked = numerics == "fast" and not isinstance(layers, Unstacked)
+    path = _routed_path(layers, implementation, x.dtype) if stacked else None
     routed = None  # routed-expert stacks the Mosaic kernels index in place
-    if is_moe and numerics == "fast" and not isinstance(layers, Unstacked):
-        stacks = (layers.mlp.gate, layers.mlp.up, layers.mlp.down)
-        if resolve_moe(implementation, *stacks, x.dtype, stacked=True) == "mosaic":
-            # Scanned, each layer's slice of the stacks would reach the kernel as a copy XLA
-            # makes first (experiments/moe_layer_stack.py); the kernel takes the layer index.
-            routed = stacks
-            layers = layers.replace(mlp=layers.mlp.replace(gate=None, up=None, down=None))
+    if path == "mosaic":
+        # Scanned, each layer's slice of the stacks would reach the kernel as a copy XLA
+        # makes first (experiments/moe_layer_stack.py); the kernel takes the layer index.
+        routed = (layers.mlp.gate, layers.mlp.up, layers.mlp.down)
+        layers = layers.replace(mlp=layers.mlp.replace(gate=None, up=None, down=None))
 
     def body(x, xs):
         lp, ckv, kpe, li = xs
@@ -642,12 +656,7 @@ def _run_layers(
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
         return x, (c_new, k_new, x if keep_hidden else None, counts)
 
-    # "exact" loops over row tiles and key blocks anyway; unrolling its layers would only
-    # multiply the compile time (the shipped target's generate: 20 s unrolled, 14 s scanned).
-    # Layers whose routed experts the kernel indexes stay a loop: unrolled, the 4-layer K2
-    # shard's verify died on the H200 (CUDA_ERROR_LAUNCH_FAILED, cause not established) while
-    # the scan ran; at >= 64 MB of experts a layer the loop's overhead is small anyway.
-    unroll = numerics == "fast" and n_layers <= UNROLL_MAX_LAYERS and routed is None
+    unroll = _unrolled(numerics, n_layers, path)
     xs = (layers, cache_ckv, cache_kpe, jnp.arange(n_layers, dtype=jnp.int32))
     x, (c_kv, k_pe, hidden, counts) = scan_layers(body, x, xs, unroll=unroll)
     return x, c_kv, k_pe, hidden, counts

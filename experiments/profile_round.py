@@ -23,7 +23,6 @@ import ast
 import importlib
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,8 @@ from ddtree_jax import compile_cache, config, decode, model
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import DFlashDrafter, dflash
 from ddtree_jax.evaluation import time_call
-from ddtree_jax.generate import generate
+from ddtree_jax.generate import for_loop, generate
+from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.pallas.bench_util import kernel_table
 from ddtree_jax.sampling import SamplingConfig
 
@@ -139,9 +139,8 @@ def main():
         shipped = load_shipped(args.checkpoints, dtype=dtype)
         target, dparams = shipped.target, shipped.drafter
     d = DFlashDrafter(params=dparams, block_size=dparams.config.block_size)
-    if sys.modules["ddtree_jax.generate"].HOIST_LOOP_INVARIANTS:  # the stages as the loop runs them
-        target = model.hoist_layers(target, "fast")
-        d = d.for_loop()
+    # The stages as the loop runs them (generate passes its resolved numerics and implementation).
+    target, d = for_loop(target, d, resolve_numerics(None, target.dtype, "auto"), "auto")
     greedy = SamplingConfig()
     key = jax.random.key(0)
     rows = []

@@ -89,8 +89,7 @@ def kernel_table(fn, calls: int, top: int, per: float = 1.0) -> dict:
 
     One untimed call compiles. Figures are per `per` units of work (a call: per = 1; a
     generate call of R rounds: per = R): "kernels" launched and "kernel_ms" summed over
-    every kernel, "span_ms" from the first kernel's start to the last one's end (busy
-    time plus every gap between kernels, between calls too), and the `top` names by time.
+    every kernel, and the `top` names by time.
     """
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -106,11 +105,9 @@ def kernel_table(fn, calls: int, top: int, per: float = 1.0) -> dict:
     for _, duration, name in events:
         totals[name] += duration
         counts[name] += 1
-    span = events[-1][0] + events[-1][1] - events[0][0] if events else 0.0
     return {
         "kernels": len(events) / n,
         "kernel_ms": 1e3 * sum(totals.values()) / n,
-        "span_ms": 1e3 * span / n,
         "top": [{"kernel": k, "ms": 1e3 * v / n, "launches": counts[k] / n} for k, v in totals.most_common(top)],
     }
 
