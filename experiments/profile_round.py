@@ -119,7 +119,9 @@ def main():
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     model.UNROLL_MAX_LAYERS = args.unroll_max_layers
     for item in args.set:
-        name, value = item.split("=", 1)
+        name, eq, value = item.partition("=")
+        if not eq or "." not in name:
+            raise SystemExit(f"error: --set {item!r}: expected MODULE.NAME=VALUE")
         module, attr = name.rsplit(".", 1)
         mod = importlib.import_module(module)
         if not hasattr(mod, attr):

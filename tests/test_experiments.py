@@ -408,3 +408,9 @@ def test_moe_layer_stack_rows_and_hlo_counts(tmp_path):
     assert all(0 < row["rel_err"] < 3e-2 for row in rows if row["impl"] == "xla"), rows
     assert all(row["hlo"] == {} for row in rows if row["loop"] == "alone")
     assert all(row["hlo"] for row in rows if row["loop"] != "alone")  # XLA:CPU slices the stacks too
+
+
+def test_profile_round_names_a_bad_set():
+    for item, message in (("foo", "expected MODULE.NAME=VALUE"), ("ddtree_jax.tree.NOPE=1", "has no constant NOPE")):
+        proc = run_script("profile_round.py", "--random", "--set", item)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
