@@ -1,7 +1,7 @@
 """The W4A16 routed-expert kernel's tiles, swept on an EP-8 shard of Kimi-K2, beside its baselines.
 
     python3 experiments/sweep_w4a16.py --tokens 1 17 65 129 520 8192 \\
-        --tiles n,64,4,4 n,128,4,4 n,64,4,2 n,64,2,3 --out w4a16_sweep.json
+        --tiles n,64,4,4 n,128,4,4 n,64,4,2 n,64,2,3 n,64,4,4,2 --out w4a16_sweep.json
 
 One EP-8 shard: 48 experts, 7168 -> 2048, top-8 of the 48 (every pair local). The weights
 are drawn once, quantized to INT4 (group 32, the grouped layout of `quant`), and their
@@ -9,7 +9,9 @@ dequantized bf16 copy feeds the baselines, so every row computes the same functi
 on the bf16 copy is the reference each row's relative L2 error is measured against;
 `mosaic-bf16` is the bf16 Mosaic kernel on that copy; `xla-int4` the XLA path on the INT4
 weights (up to 520 tokens: it dequantizes 8 experts at a time); `w4a16 (BT, BO, groups, stages)`
-the W4A16 kernel with those `W4A16Tiles` ("n": None, the default rule).
+the W4A16 kernel with those `W4A16Tiles` ("n": None, the default rule), and with a fifth field,
+`(BT, BO, groups, stages, consumers)`, its warp-specialized schedule with that many consumer
+warpgroups (1 or 2; 0 or no field: one warpgroup a program), so one call times both side by side.
 
 Each row: device time (median of --reps, inputs rotated past the L2 cache), the INT4
 weight bytes of the experts used over that time, TFLOP/s of the routed work, the first
@@ -38,21 +40,25 @@ SMOKE = dict(experts=4, hidden=128, inter=128, top_k=2)
 
 
 def tiles_from(spec: str) -> W4A16Tiles:
-    """ "BT,BO,groups,stages" ("n" for None) -> W4A16Tiles."""
-    bt, bo, gps, stages = (None if v == "n" else int(v) for v in spec.split(","))
-    return W4A16Tiles(block_t=bt, block_o=bo, groups_per_step=gps, stages=stages)
+    """ "BT,BO,groups,stages[,consumers]" ("n" for None) -> W4A16Tiles."""
+    fields = [None if v == "n" else int(v) for v in spec.split(",")]
+    if not 4 <= len(fields) <= 5:
+        raise ValueError(f"--tiles {spec!r}: expected BT,BO,groups,stages[,consumers]")
+    names = ("block_t", "block_o", "groups_per_step", "stages", "consumers")[: len(fields)]
+    return W4A16Tiles(**dict(zip(names, fields, strict=True)))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 17, 65, 129, 520, 8192])
-    ap.add_argument("--tiles", nargs="+", default=["n,64,4,2"], help="W4A16Tiles, each BT,BO,groups,stages")
+    ap.add_argument("--tiles", nargs="+", default=["n,64,4,2"], help="W4A16Tiles, each BT,BO,groups,stages[,consumers]")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU check: 4 experts of 128 x 128, interpret mode")
     args = ap.parse_args(argv)
     e, h, i, k = (SMOKE if args.smoke else SHAPE).values()
     interpret = mosaic_interpret() if args.smoke else None
+    tiles = {spec: tiles_from(spec) for spec in args.tiles}  # a malformed one fails before any run
     ks = jax.random.split(jax.random.PRNGKey(0), 6)
     quantize = jax.jit(Int4(32).quantize)
     gate = quantize(jax.random.normal(ks[3], (e, h, i), jnp.float32) * h**-0.5)
@@ -74,8 +80,7 @@ def main(argv=None):
         runs = [("mosaic-bf16", mosaic, (x, idx, w, *dense))]
         if t <= 520:
             runs.append(("xla-int4", xla, (x, idx, w, gate, up, down)))
-        for spec in args.tiles:
-            tl = tiles_from(spec)
+        for spec, tl in tiles.items():
             fn = jax.jit(lambda *a, tl=tl: moe_experts_w4a16(*a, tiles=tl, interpret=interpret))
             runs.append((f"w4a16 ({spec})", fn, (x, idx, w, gate, up, down)))
         for name, fn, operands in runs:

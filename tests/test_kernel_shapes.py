@@ -20,7 +20,7 @@ from ddtree_jax.pallas.moe import bench as moe_bench
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
-from ddtree_jax.pallas.moe.w4a16 import moe_experts_w4a16
+from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MOE_SHAPES
 from ddtree_jax.quant import Int4
 
@@ -55,19 +55,23 @@ def test_mla_kernel_on_named_shapes(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "mosaic", "w4a16"])
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "w4a16", "w4a16-ws2"])
 @pytest.mark.parametrize("name", list(MOE_SHAPES))
 def test_moe_kernel_on_named_shapes(name, impl):
     if impl != "pallas" and not ON_GPU:
         pytest.skip("Mosaic GPU on the CPU: tests/test_moe_kernel.py (interpret mode, small shapes)")
     shape = _shape(MOE_SHAPES, name)
     args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
-    if impl == "w4a16":  # the same weights quantized (group 32); the reference dequantizes them
+    int4 = impl.startswith("w4a16")
+    if int4:  # the same weights quantized (group 32); the reference dequantizes them
         args = (*args[:3], *(Int4(32).quantize(a) for a in args[3:]))
-    kernel = {"mosaic": moe_experts_mosaic, "w4a16": moe_experts_w4a16}.get(
-        impl, functools.partial(moe_experts_pallas, interpret=not ON_GPU)
-    )
+    kernel = {
+        "mosaic": moe_experts_mosaic,
+        "w4a16": moe_experts_w4a16,
+        # warp specialized: a producer warpgroup and 2 consumers
+        "w4a16-ws2": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=2)),
+    }.get(impl, functools.partial(moe_experts_pallas, interpret=not ON_GPU))
     got = jax.jit(kernel)(*args).astype(jnp.float32)
-    want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if impl == "w4a16" else moe_experts_reference(*_f32(args))
+    want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if int4 else moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)

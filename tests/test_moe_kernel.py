@@ -1,5 +1,7 @@
 """The Pallas grouped MoE kernels (Triton-style and Mosaic GPU, interpret mode on the CPU) against the dense reference."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -221,22 +223,69 @@ def _assert_bf16_close(got, want):
     np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
 
 
+@pytest.fixture
+def race_states(monkeypatch):
+    """The interpreter's race-detector states, one a kernel call (each call starts a new one)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    states, detector = [], gpu_callbacks.GPURaceDetectionState
+
+    def recorded(**kw):
+        states.append(detector(**kw))
+        return states[-1]
+
+    monkeypatch.setattr(gpu_callbacks, "GPURaceDetectionState", recorded)
+    return states
+
+
+def _w4a16(args, tiles, race_states, **kw):
+    """`moe_experts_w4a16` in interpret mode under the race detector (compiled on a GPU), float32;
+    fails on a race between its TMA copies and warpgroups (their barriers order the ring)."""
+    interpret = mosaic_interpret()
+    if interpret is not None:
+        interpret = dataclasses.replace(interpret, detect_races=True)
+    got = moe_experts_w4a16(*args, tiles=tiles, interpret=interpret, **kw)
+    assert not [s for s in race_states if s.races_found], "the interpreter found a race"
+    return got.astype(jnp.float32)
+
+
+# 0: one warpgroup a program; 1, 2: warp specialized, a producer and that many consumers.
+W4A16_SCHEDULES = pytest.mark.parametrize("consumers", [0, 1, 2], ids=["one-wg", "ws1", "ws2"])
+
+
+@W4A16_SCHEDULES
 @pytest.mark.parametrize(
     ("idx", "e", "h", "i", "tiles"),
     [
-        # Dropped pairs (-1) and idle experts; one group per step, two output tiles of 64, 4 K steps.
+        # Dropped pairs (-1) and idle experts; one group per step, 128 outputs, 4 K steps.
         ([[0, -1], [3, 1], [1, 3], [-1, -1], [2, 0], [3, 2]], 4, 128, 128, W4A16Tiles(groups_per_step=1)),
-        # All 40 tokens on expert 1 (three 16-pair blocks), top-1; 128 output rows a program.
-        ([[1]] * 40, 3, 128, 128, W4A16Tiles(block_t=16, block_o=128, groups_per_step=2, stages=1)),
-        # Top-8 of 8 (Kimi-K2's top-k), 32-pair blocks, H = 192: 6 groups, 3 K steps of 2.
-        ([list(range(8))[r:] + list(range(8))[:r] for r in range(5)], 8, 192, 64, W4A16Tiles(32, 64, 2, 3)),
+        # All 40 tokens on expert 1 (three 16-pair blocks), top-1; 128 output rows a warpgroup, one
+        # slot (the warp-specialized ring then releases it at once).
+        ([[1]] * 40, 3, 256, 256, W4A16Tiles(block_t=16, block_o=128, groups_per_step=2, stages=1)),
+        # Top-8 of 8 (Kimi-K2's top-k), 32-pair blocks, H = 384: 12 groups, 6 K steps of 2 through 3 slots.
+        ([list(range(8))[r:] + list(range(8))[:r] for r in range(5)], 8, 384, 128, W4A16Tiles(32, 64, 2, 3)),
     ],
 )
-def test_w4a16_kernel_matches_reference(idx, e, h, i, tiles):
-    """The W4A16 Mosaic GPU kernels (int4 weights as wgmma's A operand) in Mosaic GPU's interpret mode."""
+def test_w4a16_kernel_matches_reference(idx, e, h, i, tiles, consumers, race_states):
+    """The W4A16 Mosaic GPU kernels (int4 weights as wgmma's A operand) in Mosaic GPU's interpret
+    mode, in each schedule of a program (outputs are multiples of 2 x 128 rows for all three)."""
     args = int4_case(12, idx, e, h, i)
-    got = moe_experts_w4a16(*args, tiles=tiles, interpret=mosaic_interpret()).astype(jnp.float32)
+    got = _w4a16(args, dataclasses.replace(tiles, consumers=consumers), race_states)
     _assert_bf16_close(got, _int4_reference(*args))
+
+
+@W4A16_SCHEDULES
+def test_w4a16_reads_layer_stacks_in_place(consumers, race_states):
+    """`layer=` over [L, E, ...] INT4 stacks: the kernels read the layer's experts in the stack,
+    exactly as from that layer's own arrays."""
+    idx = [[0, 2], [3, 1], [-1, 3]]
+    layers = [int4_case(s, idx, 4, 128, 128) for s in range(3)]
+    x, idx, w = layers[0][:3]
+    stacks = [jax.tree.map(lambda *a: jnp.stack(a), *[lay[3 + n] for lay in layers]) for n in range(3)]
+    tiles = W4A16Tiles(groups_per_step=2, consumers=consumers)
+    got = _w4a16((x, idx, w, *stacks), tiles, race_states, layer=jnp.int32(1))
+    np.testing.assert_array_equal(got, _w4a16((x, idx, w, *layers[1][3:]), tiles, race_states))
+    _assert_bf16_close(got, _int4_reference(x, idx, w, *layers[1][3:]))
 
 
 def test_w4a16_tiles_and_shapes_are_checked():
@@ -246,8 +295,12 @@ def test_w4a16_tiles_and_shapes_are_checked():
         W4A16Tiles(block_o=32)
     with pytest.raises(ValueError, match="groups_per_step must be >= 1"):
         W4A16Tiles(groups_per_step=0)
+    with pytest.raises(ValueError, match="consumers must be 0, 1 or 2, got 3"):
+        W4A16Tiles(consumers=3)
     with pytest.raises(ValueError, match="outputs a multiple of block_o=64"):
         moe_experts_w4a16(*int4_case(0, [[0]], 2, 128, 96), interpret=mosaic_interpret())
+    with pytest.raises(ValueError, match=r"down needs outputs a multiple of block_o=64 x consumers=2 .* got 192"):
+        moe_experts_w4a16(*int4_case(0, [[0]], 2, 192, 128), tiles=W4A16Tiles(groups_per_step=2, consumers=2))
     with pytest.raises(ValueError, match="groups of a multiple of 32 inputs, got 128 outputs and groups of 16"):
         moe_experts_w4a16(*int4_case(0, [[0]], 2, 128, 128, group=16), interpret=mosaic_interpret())
     with pytest.raises(ValueError, match="6 groups, not a multiple of groups_per_step=4"):
