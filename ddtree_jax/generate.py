@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ddtree_jax import decode, sharding
+from ddtree_jax import compile_cache, decode, sharding
 from ddtree_jax.cache import KVCache
 from ddtree_jax.checks import check_dtype, check_int
 from ddtree_jax.config import TargetConfig
@@ -515,7 +515,10 @@ def _run(
     args = (target, drafter, jnp.asarray(ids), jnp.asarray(lengths), jnp.asarray(stop or [PAD], jnp.int32), key)
     mesh = _params_mesh(target)
     if mesh is None:
-        return fn(*args, st=st)
+        # A whole executable from disk skips tracing and lowering (`compile_cache`); sharded
+        # calls are traced under the mesh's rules, which that key does not cover.
+        compiled = compile_cache.executable(fn, args, {"st": st}) if fn is _generate else None
+        return compiled(*args) if compiled is not None else fn(*args, st=st)
     # Under the params' mesh, with the rules the weights were placed by, the Pallas kernels
     # (opaque to GSPMD) run per shard, and so do the routed experts on the XLA path.
     with sharding.use_mesh(mesh, sharding.placed_rules(target)):

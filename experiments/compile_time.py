@@ -5,13 +5,15 @@
 For each program (ar, dflash, ddtree at each `--budgets`; one batch-1 prompt of
 `--prompt-len` tokens, `--max-new-tokens`) in a fresh persistent compilation cache:
 - cold: trace, lower, compile (nothing cached) and run once;
-- warm: after `jax.clear_caches()`, the same call again: trace, lower, load the
-  executable from the persistent cache (`ddtree_jax.compile_cache`) and run once;
-- run: a third call, the compiled program alone;
-- lower: after `jax.clear_caches()`, `ddtree_jax.generate.lower` alone: the Python
-  trace and the lowering to StableHLO that every warm call pays before the cache lookup.
+- warm: after `compile_cache.clear()` (as in a new process), the same call again: the
+  whole executable loaded from `ddtree_jax.compile_cache`'s folder and run once;
+- warm_jax: the same with `generate`'s executable cache off: trace, lower, load the
+  executable from jax's persistent cache and run once (what `warm` was before session 18);
+- run: one more call, the compiled program alone;
+- lower: after `compile_cache.clear()`, `ddtree_jax.generate.lower` alone: the Python
+  trace and the lowering to StableHLO that `warm_jax` pays before the cache lookup.
 cold - run and warm - run are the compile costs a sweep pays per configuration
-without and with the cache; warm - run - lower is the cache lookup and executable load.
+without and with the cache.
 """
 
 from __future__ import annotations
@@ -70,21 +72,46 @@ def main():
                 return generate(s.target, d, ids, method=m, tree_budget=b, **kw)
 
             cold = timed(call)
-            jax.clear_caches()
+            compile_cache.clear()
             warm = timed(call)
             run = timed(call)
-            jax.clear_caches()
+            # jax's own cache holds no generate program yet (the executable cache compiles
+            # those with it off), so fill it first, then time a load from it.
+            compile_cache.enable(folder, executables=False)
+            compile_cache.clear()
+            timed(call)
+            compile_cache.clear()
+            warm_jax = timed(call)
+            compile_cache.enable(folder)
+            compile_cache.clear()
             t0 = time.perf_counter()
             lower(s.target, drafter, ids, method=method, tree_budget=budget, **kw)
             lowering = time.perf_counter() - t0
-            rows.append(dict(method=method, budget=budget, cold_s=cold, warm_s=warm, run_s=run, lower_s=lowering))
+            rows.append(
+                dict(
+                    method=method,
+                    budget=budget,
+                    cold_s=cold,
+                    warm_s=warm,
+                    warm_jax_s=warm_jax,
+                    run_s=run,
+                    lower_s=lowering,
+                )
+            )
             print(
-                f"{method} {budget or ''}: cold {cold:.2f} s, warm {warm:.2f} s, run {run:.3f} s, "
-                f"trace + lower {lowering:.2f} s",
+                f"{method} {budget or ''}: cold {cold:.2f} s, warm {warm:.2f} s (jax's cache alone {warm_jax:.2f} s), "
+                f"run {run:.3f} s, trace + lower {lowering:.2f} s",
                 flush=True,
             )
         entries = len([f for f in os.listdir(folder) if f.endswith("-cache")])
-    out = {"device": jax.devices()[0].device_kind, "args": vars(args), "cache_entries": entries, "rows": rows}
+        executables = len(os.listdir(os.path.join(folder, "executables")))
+    out = {
+        "device": jax.devices()[0].device_kind,
+        "args": vars(args),
+        "cache_entries": entries,
+        "executables": executables,
+        "rows": rows,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

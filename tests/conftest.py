@@ -85,7 +85,7 @@ def _free_compiled_code():
     with open(PROC_MAPS) as f:
         maps = sum(1 for _ in f)
     if maps > MAX_MAPS:
-        jax.clear_caches()
+        compile_cache.clear()
         gc.collect()
 
 

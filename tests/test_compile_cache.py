@@ -1,0 +1,101 @@
+"""`compile_cache.executable`: generate's whole executables on disk, keyed by what shapes them."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from ddtree_jax import compile_cache, model
+from ddtree_jax.generate import generate
+from ddtree_jax.pallas.moe import reference as moe_reference
+from tests.conftest import random_target, tiny
+
+PROMPT = [[5, 17, 33, 2, 9]]
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """A fresh executables folder; every executable stored, however quick its compile."""
+    monkeypatch.setattr(compile_cache, "_executables_dir", str(tmp_path / "executables"))
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compile_cache.clear()
+    yield tmp_path / "executables"
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    compile_cache.clear()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_target(tiny(), seed=4)
+
+
+def _no_compiling(monkeypatch):
+    """Any lowering compiled from here on fails the test."""
+
+    def refuse(self, *a, **k):
+        raise AssertionError("compiled, but the executable was on disk")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+
+
+def test_a_new_process_loads_the_executable_instead_of_compiling(params, folder, monkeypatch):
+    first = generate(params, PROMPT, max_new_tokens=6).to_lists()
+    (entry,) = os.listdir(folder)
+    compile_cache.clear()  # as in a new process: nothing compiled in memory
+    _no_compiling(monkeypatch)
+    assert generate(params, PROMPT, max_new_tokens=6).to_lists() == first
+    assert os.listdir(folder) == [entry]
+
+
+def test_what_shapes_the_program_is_in_the_key(params, folder, monkeypatch):
+    generate(params, PROMPT, max_new_tokens=6)
+    generate(params, PROMPT, max_new_tokens=7)  # static settings
+    generate(params, [PROMPT[0] * 2], max_new_tokens=6)  # argument shapes
+    generate(model.cast_params(params, jax.numpy.bfloat16), PROMPT, max_new_tokens=6)  # dtypes
+    assert len(os.listdir(folder)) == 4
+    monkeypatch.setattr(moe_reference, "DENSE_MAX_TOKENS", 0)  # a module setting changed at run time
+    generate(params, PROMPT, max_new_tokens=6)
+    assert len(os.listdir(folder)) == 5
+
+
+def test_an_executable_stored_after_jax_cache_hit_runs(params, folder, tmp_path):
+    """What is stored is a fresh compile even when jax's own cache could serve it: on XLA:CPU a
+    copy of an executable jax loaded from its cache fails to run ("Function ... not found")."""
+    jax_folder = jax.config.jax_compilation_cache_dir
+    if not jax_folder:
+        pytest.skip("jax's persistent cache is off in this session")
+    kw = dict(method="ar", max_new_tokens=9, temperature=0.0)
+    executables = str(folder)
+    compile_cache._executables_dir = None  # jax's cache alone: it now holds this program
+    expected = generate(params, PROMPT, **kw).to_lists()
+    compile_cache._executables_dir = executables
+    compile_cache.clear()
+    assert generate(params, PROMPT, **kw).to_lists() == expected  # stored
+    compile_cache.clear()
+    assert generate(params, PROMPT, **kw).to_lists() == expected  # loaded and run
+
+
+def test_a_corrupt_entry_is_compiled_again_with_a_warning(params, folder):
+    expected = generate(params, PROMPT, max_new_tokens=6).to_lists()
+    (entry,) = os.listdir(folder)
+    (folder / entry).write_bytes(b"not an executable")
+    compile_cache.clear()
+    with pytest.warns(UserWarning, match="unreadable executable"):
+        assert generate(params, PROMPT, max_new_tokens=6).to_lists() == expected
+    compile_cache.clear()
+    assert generate(params, PROMPT, max_new_tokens=6).to_lists() == expected  # rewritten whole
+
+
+def test_eviction_keeps_the_folder_under_its_bound(params, folder, monkeypatch):
+    generate(params, PROMPT, max_new_tokens=6)
+    size = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
+    monkeypatch.setattr(compile_cache, "MAX_EXECUTABLE_BYTES", int(size * 1.5))
+    generate(params, PROMPT, max_new_tokens=7)
+    assert len(os.listdir(folder)) == 1  # the older one went
+
+
+def test_off_without_enable(params, monkeypatch):
+    monkeypatch.setattr(compile_cache, "_executables_dir", None)
+    assert compile_cache.executable(jax.jit(lambda x: x), (np.ones(2),), {}) is None
