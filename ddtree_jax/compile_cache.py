@@ -49,7 +49,7 @@ IN_MEMORY = 64
 
 _OFF = ("", "0", "off", "none", "false")
 _executables_dir: str | None = None
-_loaded: collections.OrderedDict[str, jax.stages.Compiled] = collections.OrderedDict()
+_loaded: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _source_digest: str | None = None
 
 
@@ -101,19 +101,25 @@ def executable(jitted, args: tuple, static: dict[str, Any]) -> Callable[..., Any
 
     Returns None when the cache is off (`enable` not called, or turned off): the caller
     then calls `jitted` itself. Otherwise returns the compiled program, to be called with
-    `args` alone. A miss traces, lowers and compiles (jax's own cache may still serve the
-    compile) and stores the executable if the compile took at least
-    `jax_persistent_cache_min_compile_time_secs`. A corrupt entry is compiled again and
-    overwritten, with a warning.
+    `args` alone. In the process, programs are found again by the arguments' tree, avals
+    and placement and the static keywords alone, as jit finds its own, and forgotten by
+    `jax.clear_caches()` (or `clear`), as jit's are: a module-level setting changed at
+    run time takes effect after either. On disk the key is the whole digest (`_key`). A
+    miss traces, lowers and compiles, and stores the executable if the compile took at
+    least `jax_persistent_cache_min_compile_time_secs`. A corrupt entry is compiled again
+    and overwritten, with a warning.
     """
     if _executables_dir is None:
         return None
-    key = _key(jitted, args, static)
-    hit = _loaded.get(key)
+    if _jax_caches_cleared():
+        _loaded.clear()
+    leaves, treedef = jax.tree.flatten(args)
+    fast = (jitted, treedef, tuple(_aval(x) for x in leaves), tuple(sorted(static.items())))
+    hit = _loaded.get(fast)
     if hit is not None:
-        _loaded.move_to_end(key)
+        _loaded.move_to_end(fast)
         return hit
-    path = os.path.join(_executables_dir, key + ".exe")
+    path = os.path.join(_executables_dir, _key(jitted, treedef, leaves, static) + ".exe")
     compiled = _load(path)
     if compiled is None:
         t0 = time.perf_counter()
@@ -121,10 +127,33 @@ def executable(jitted, args: tuple, static: dict[str, Any]) -> Callable[..., Any
             compiled = jitted.lower(*args, **static).compile()
         if time.perf_counter() - t0 >= jax.config.jax_persistent_cache_min_compile_time_secs:
             _store(path, compiled)
-    _loaded[key] = compiled
+    _loaded[fast] = compiled
     while len(_loaded) > IN_MEMORY:
         _loaded.popitem(last=False)
     return compiled
+
+
+@jax.jit
+def _canary():
+    return jax.numpy.int32(0)
+
+
+def _jax_caches_cleared() -> bool:
+    """Whether `jax.clear_caches()` ran since the last call: it empties every jitted
+    function's cache, this module's canary's too, which is then compiled again (tiny)."""
+    cleared = _canary._cache_size() == 0
+    if cleared:
+        _canary()
+    return cleared
+
+
+def _aval(x):
+    """What a jitted function's cache tells arguments apart by (hashable)."""
+    if isinstance(x, jax.Array):
+        return x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding
+    if isinstance(x, np.ndarray | np.generic):
+        return "np", x.shape, x.dtype
+    return type(x), (x if isinstance(x, _SIMPLE) else id(x))
 
 
 @contextlib.contextmanager
@@ -195,9 +224,9 @@ def _evict(folder: str) -> None:
         total -= size
 
 
-def _key(jitted, args: tuple, static: dict[str, Any]) -> str:
-    """A digest of everything that shapes the program `jitted.lower(*args, **static)` builds."""
-    leaves, treedef = jax.tree.flatten(args)
+def _key(jitted, treedef, leaves, static: dict[str, Any]) -> str:
+    """A digest of everything that shapes the program `jitted.lower(*args, **static)` builds
+    (`treedef` and `leaves`: the flattened args)."""
     parts = [
         f"{getattr(jitted, '__module__', '')}.{getattr(jitted, '__qualname__', repr(jitted))}",
         str(treedef),
