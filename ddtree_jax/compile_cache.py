@@ -12,6 +12,9 @@ shapes, dtypes and placement, the static settings, this package's source and liv
 module-level settings, jax's version and config, XLA_FLAGS and the devices). A hit loads the
 program without tracing it.
 
+Entries are pickled executables, loaded as code: as with jax's own cache, whoever can write to
+the folder can run code in the processes that use it.
+
 Folder: `$DDTREE_JAX_CACHE` if set, else `~/.cache/ddtree_jax/xla`. Set `DDTREE_JAX_CACHE=off`
 to compile everything afresh. Entries are evicted least recently used beyond `MAX_BYTES`
 (executables: beyond `MAX_EXECUTABLE_BYTES`).
@@ -176,17 +179,17 @@ def _load(path: str) -> jax.stages.Compiled | None:
     try:
         with open(path, "rb") as f:
             blob = f.read()
-    except FileNotFoundError:
-        return None
-    try:
         payload, in_tree, out_tree = pickle.loads(blob)
         compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception as e:  # a truncated or foreign file: compile instead
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # unreadable, truncated or foreign: compile instead
         warnings.warn(
             f"compile cache: unreadable executable {path} ({type(e).__name__}: {e}); compiling again", stacklevel=3
         )
         return None
-    os.utime(path)  # recency for eviction
+    with contextlib.suppress(OSError):  # recency for eviction; a read-only folder still serves
+        os.utime(path)
     return compiled
 
 
@@ -197,13 +200,16 @@ def _store(path: str, compiled: jax.stages.Compiled) -> None:
         warnings.warn(f"compile cache: executable not serializable ({type(e).__name__}: {e})", stacklevel=3)
         return
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    # Written whole, then renamed: a concurrent reader sees the old file or the new one.
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)
-    _evict(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        # Written whole, then renamed: a concurrent reader sees the old file or the new one.
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+        _evict(folder)
+    except OSError as e:  # a read-only or full disk: generate still runs, uncached
+        warnings.warn(f"compile cache: could not store {path} ({type(e).__name__}: {e})", stacklevel=3)
 
 
 def _evict(folder: str) -> None:

@@ -100,6 +100,16 @@ def test_eviction_keeps_the_folder_under_its_bound(params, folder, monkeypatch):
     assert len(os.listdir(folder)) == 1  # the older one went
 
 
+def test_a_read_only_folder_warns_and_still_generates(params, folder, monkeypatch):
+    def refuse(*a, **k):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(compile_cache.tempfile, "mkstemp", refuse)
+    with pytest.warns(UserWarning, match="could not store"):
+        out = generate(params, PROMPT, max_new_tokens=6).to_lists()
+    assert out == generate(params, PROMPT, max_new_tokens=6, numerics="exact").to_lists()
+
+
 def test_off_without_enable(params, monkeypatch):
     monkeypatch.setattr(compile_cache, "_executables_dir", None)
     assert compile_cache.executable(jax.jit(lambda x: x), (np.ones(2),), {}) is None
