@@ -57,6 +57,45 @@ def test_accept_walk(choices, path, length, bonus):
     assert emitted == [int(t.tokens[0, i]) for i in path[1:length]] + [bonus]
 
 
+def _walk(tokens, parents, valid, choices, max_depth):
+    """The acceptance walk, one depth at a time (numpy, one row): the oracle of `decode.accept`."""
+    cur, path = 0, [0]
+    for _ in range(max_depth):
+        children = [i for i in range(len(tokens)) if valid[i] and parents[i] == cur and tokens[i] == choices[cur]]
+        if not children:
+            break
+        cur = children[0]
+        path.append(cur)
+    return path + [cur] * (max_depth + 1 - len(path)), len(path), choices[cur]
+
+
+@pytest.mark.parametrize(("method", "budget"), [("ddtree", 5), ("ddtree", 12), ("dflash", 0)])
+def test_accept_equals_the_walk_on_built_trees(method, budget):
+    """Real trees (the builder's); the choices lead each row towards a random node, then
+    random: deep accepted paths, dead ends and misses at the root all occur."""
+    rng = np.random.default_rng(budget)
+    b, bs, vocab = 16, 6, 6
+    logits = jnp.asarray(rng.normal(size=(b, bs - 1, vocab)) * 2, jnp.float32)
+    t = decode.build_tree(method, logits, jnp.asarray(rng.integers(0, vocab, b), jnp.int32), budget)
+    choices = rng.integers(0, vocab, (b, t.num_slots))
+    parents, tokens = np.asarray(t.parents), np.asarray(t.tokens)
+    for r in range(1, b):  # row 0 stays random
+        node = int(rng.choice(np.flatnonzero(np.asarray(t.valid[r]))))
+        while node > 0:
+            choices[r, parents[r, node]] = tokens[r, node]
+            node = parents[r, node]
+    acc = decode.accept(t, jnp.asarray(choices, jnp.int32))
+    lengths = []
+    for r in range(b):
+        path, length, bonus = _walk(
+            *(np.asarray(a[r]) for a in (t.tokens, t.parents, t.valid)), choices[r], t.max_depth
+        )
+        assert np.asarray(acc.path[r]).tolist() == path and int(acc.length[r]) == length
+        assert int(acc.bonus[r]) == bonus
+        lengths.append(length)
+    assert max(lengths) >= 4 and len(set(lengths)) >= 3, lengths  # the cases the comparison is about
+
+
 def test_commit_moves_path_entries_to_their_slots():
     cfg = tiny()
     cache = KVCache.init(cfg, 2, 10).replace(lengths=jnp.asarray([3, 5]))
