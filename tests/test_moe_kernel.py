@@ -122,21 +122,44 @@ def _bf16_reference(args):
     return moe_experts_reference(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args])
 
 
+def _mosaic(args, tiles, race_states, **kw):
+    """`moe_experts_mosaic` in interpret mode under the race detector (compiled on a GPU), float32;
+    fails on a race between its TMA copies and warpgroups."""
+    interpret = mosaic_interpret()
+    if interpret is not None:
+        interpret = dataclasses.replace(interpret, detect_races=True)
+    got = moe_experts_mosaic(*args, tiles=tiles, interpret=interpret, **kw)
+    assert not [s for s in race_states if s.races_found], "the interpreter found a race"
+    return got.astype(jnp.float32)
+
+
+# 0: one warpgroup a program; 1, 2: warp specialized, a producer and that many consumers (64 rows each).
+MOSAIC_SCHEDULES = pytest.mark.parametrize("consumers", [0, 1, 2], ids=["one-wg", "ws1", "ws2"])
+
+
+@MOSAIC_SCHEDULES
 @pytest.mark.parametrize(
     ("idx", "tiles"),
     [
-        # Dropped pairs (-1, experts of other shards) and idle experts; two output tiles, two K steps.
-        ([[0, -1], [3, 1], [1, 3], [-1, -1], [2, 0], [3, 2]], MosaicMoETiles(block_n=32, block_k=32, stages=2)),
-        # Expert 1 takes 70 pairs: its rows span two 64-row blocks; one pipeline slot.
+        # Dropped pairs (-1, experts of other shards) and idle experts; two output tiles, four K
+        # steps through two slots (the ring wraps).
+        ([[0, -1], [3, 1], [1, 3], [-1, -1], [2, 0], [3, 2]], MosaicMoETiles(block_n=32, block_k=16, stages=2)),
+        # Expert 1 takes 70 pairs: its rows span two 64-row blocks (one of 128 rows for two
+        # consumers); one pipeline slot.
         ([[1]] * 70 + [[2], [0]], MosaicMoETiles(block_n=64, block_k=16, stages=1)),
-        # Top-8 of 8: every token on every expert (Kimi-K2's top-k).
-        ([list(range(8))[r:] + list(range(8))[:r] for r in range(5)], MosaicMoETiles(block_n=32, block_k=32)),
+        # Top-8 of 8: every token on every expert (Kimi-K2's top-k); 70 pairs an expert fill rows
+        # of both consumers' halves of a 128-row block.
+        (
+            [list(range(8))[r % 8 :] + list(range(8))[: r % 8] for r in range(70)],
+            MosaicMoETiles(block_n=32, block_k=32),
+        ),
     ],
 )
-def test_mosaic_kernel_matches_reference(idx, tiles):
-    """Mosaic GPU kernels (TMA pipeline, wgmma) in Mosaic GPU's interpret mode, bf16."""
+def test_mosaic_kernel_matches_reference(idx, tiles, consumers, race_states):
+    """Mosaic GPU kernels (TMA pipeline, wgmma) in Mosaic GPU's interpret mode, bf16, in each
+    schedule of a program."""
     args = case(11, len(idx), max(4, 1 + max(max(row) for row in idx)), 64, 64, idx=idx, dtype=jnp.bfloat16)
-    got = moe_experts_mosaic(*args, tiles=tiles, interpret=mosaic_interpret()).astype(jnp.float32)
+    got = _mosaic(args, dataclasses.replace(tiles, consumers=consumers), race_states)
     want = _bf16_reference(args)
     assert got.dtype == jnp.float32 and got.shape == want.shape
     # bf16 operands and a bf16 SwiGLU activation between the two products: a few bf16 ulps.
@@ -144,12 +167,35 @@ def test_mosaic_kernel_matches_reference(idx, tiles):
     assert not np.asarray(jnp.isnan(got)).any()
 
 
+@MOSAIC_SCHEDULES
+def test_mosaic_reads_layer_stacks_in_place(consumers, race_states):
+    """`layer=` over [L, E, ...] bf16 stacks: the kernels read the layer's experts in the stack,
+    exactly as from that layer's own arrays."""
+    idx = np.asarray([[1, 3]] * 66 + [[0, 2], [3, 1], [-1, 3]])  # expert 1's rows reach the second consumer's
+    layers = [case(s, len(idx), 4, 64, 64, idx=idx, dtype=jnp.bfloat16) for s in range(3)]
+    x, idx, w = layers[0][:3]
+    stacks = [jnp.stack([lay[3 + n] for lay in layers]) for n in range(3)]
+    tiles = MosaicMoETiles(block_n=32, block_k=32, consumers=consumers)
+    got = _mosaic((x, idx, w, *stacks), tiles, race_states, layer=jnp.int32(1))
+    np.testing.assert_array_equal(got, _mosaic((x, idx, w, *layers[1][3:]), tiles, race_states))
+    want = _bf16_reference((x, idx, w, *layers[1][3:]))
+    np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
 def test_mosaic_tiles_and_shapes_are_checked():
     with pytest.raises(ValueError, match="block_n must be a positive multiple of 16, got 24"):
         MosaicMoETiles(block_n=24)
     with pytest.raises(ValueError, match="stages must be >= 1, got 0"):
         MosaicMoETiles(stages=0)
+    with pytest.raises(ValueError, match="consumers must be 0, 1 or 2, got 3"):
+        MosaicMoETiles(consumers=3)
     args = case(0, 2, 4, 48, 64, dtype=jnp.bfloat16)
+    # Two consumers crashed compiled on an H200 (CUDA_ERROR_LAUNCH_FAILED), cause unknown: refused
+    # unless interpreted (the interpreter tests above still run them).
+    with pytest.raises(
+        ValueError, match=r"consumers=2 .* refused compiled: measured on an H200 \(2026-12-03\) to crash"
+    ):
+        moe_experts_mosaic(*case(0, 2, 4, 64, 64, dtype=jnp.bfloat16), tiles=MosaicMoETiles(32, 32, consumers=2))
     with pytest.raises(ValueError, match="H=48 to be a multiple of block_n=32"):
         moe_experts_mosaic(*args, tiles=MosaicMoETiles(block_n=32, block_k=16), interpret=mosaic_interpret())
 
@@ -297,6 +343,20 @@ def test_w4a16_tiles_and_shapes_are_checked():
         W4A16Tiles(groups_per_step=0)
     with pytest.raises(ValueError, match="consumers must be 0, 1 or 2, got 3"):
         W4A16Tiles(consumers=3)
+    # Gate / up accumulators of 2 x 128 x 128 float32 over 128 threads: 256 registers a thread, more
+    # than a consumer's 232 (C = 2) or 256 (C = 1); NaN on an H200 at C = 2.
+    for c, budget in ((2, 232), (1, 256)):
+        with pytest.raises(
+            ValueError, match=rf"block_t=128: .* take 256 registers a thread, .* has {budget}; measured"
+        ):
+            W4A16Tiles(block_t=128, block_o=128, consumers=c)
+    W4A16Tiles(block_t=128, block_o=128)  # one warpgroup: correct on the H200 (spilled, slower)
+    W4A16Tiles(block_t=112, block_o=128, consumers=2)  # 224 of 232: not measured, not refused
+    W4A16Tiles(block_t=128, block_o=64, consumers=2)  # 128: correct on the H200
+    # block_t=None resolves to 128 where it runs: 128 tokens, each on both of 2 experts.
+    idx = [[0, 1]] * 128
+    with pytest.raises(ValueError, match=r"block_o=128, consumers=2\) at block_t=128"):
+        moe_experts_w4a16(*int4_case(0, idx, 2, 256, 256), tiles=W4A16Tiles(block_o=128, consumers=2))
     with pytest.raises(ValueError, match="outputs a multiple of block_o=64"):
         moe_experts_w4a16(*int4_case(0, [[0]], 2, 128, 96), interpret=mosaic_interpret())
     with pytest.raises(ValueError, match=r"down needs outputs a multiple of block_o=64 x consumers=2 .* got 192"):

@@ -2,6 +2,8 @@
 
     python -m ddtree_jax.pallas.moe.bench                 # GPU: every shape, xla, pallas, mosaic
     python -m ddtree_jax.pallas.moe.bench --smoke         # CPU: shrunken shapes, interpret mode
+    python -m ddtree_jax.pallas.moe.bench --impl mosaic --mosaic-tiles 128,64,4 128,64,4,2
+                                                          # GPU: the Mosaic schedules side by side
 
 Shapes: `pallas/shapes.py` (MOE_SHAPES), bf16: the 48 local experts of one GPU of an
 8-way expert-parallel split of Kimi-K2's 384 (4.2 GB of weights), and each token's 8 experts are
@@ -18,6 +20,7 @@ Times are device time from a profiler trace ("timer": "wall" where there is none
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +81,9 @@ def main(argv=None):
     ap.add_argument(
         "--mosaic-tiles",
         nargs="+",
-        default=[f"{m.block_n},{m.block_k},{m.stages}"],
-        help="Mosaic tiles to try, each block_n,block_k,stages",
+        default=[f"{m.block_n},{m.block_k},{m.stages},{m.consumers}"],
+        help="Mosaic tiles to try, each block_n,block_k,stages[,consumers] (consumers 0: one warpgroup a "
+        "program; 1 or 2: warp specialized)",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
@@ -104,12 +108,13 @@ def main(argv=None):
                 runs.append((impl, {"xla": xla, "pallas": pallas}.get(impl, xla)))
                 continue
             for spec in args.mosaic_tiles:
-                bn, bk, st = (int(v) for v in spec.split(","))
+                mt = MosaicMoETiles(*(int(v) for v in spec.split(",")))
                 if args.smoke:  # the largest power of two that divides the shrunk widths
-                    bn = next(b for b in (bn, 64, 32, 16) if h % b == 0 and i % b == 0)
-                    bk = min(bk, bn)
-                mt = MosaicMoETiles(block_n=bn, block_k=bk, stages=st)
-                label = "mosaic" if len(args.mosaic_tiles) == 1 else f"mosaic {bn},{bk},{st}"
+                    bn = next(b for b in (mt.block_n, 64, 32, 16) if h % b == 0 and i % b == 0)
+                    mt = dataclasses.replace(mt, block_n=bn, block_k=min(mt.block_k, bn))
+                label = "mosaic"
+                if len(args.mosaic_tiles) > 1:
+                    label += f" {mt.block_n},{mt.block_k},{mt.stages},{mt.consumers}"
                 runs.append((label, jax.jit(lambda *a, mt=mt: moe_experts_mosaic(*a, tiles=mt, interpret=interpret))))
         for impl, fn in runs:
             operands, weight_bytes = x, nbytes

@@ -75,6 +75,13 @@ PRODUCER_REGISTERS = 40
 """Registers per thread of the warp-specialized kernel's producer warpgroup (it only issues TMA)."""
 
 
+def consumer_registers(consumers: int) -> int:
+    """Registers per thread a consumer warpgroup gets (`setmaxnreg`), as
+    `plgpu.emit_pipeline_warp_specialized` shares out the SM's 512 a thread of one warpgroup
+    after the producer's `PRODUCER_REGISTERS`: 232 at C = 2, 256 at C = 1."""
+    return int(min(256, (512 - PRODUCER_REGISTERS) // consumers) // 8 * 8)
+
+
 @dataclasses.dataclass(frozen=True)
 class W4A16Tiles:
     """Tiles of `moe_experts_w4a16`.
@@ -108,6 +115,27 @@ class W4A16Tiles:
             raise ValueError(f"W4A16Tiles.stages must be >= 1, got {self.stages}")
         if self.consumers not in (0, 1, 2):
             raise ValueError(f"W4A16Tiles.consumers must be 0, 1 or 2, got {self.consumers}")
+        if self.block_t is not None:
+            self.check_registers(self.block_t)
+
+    def check_registers(self, block_t: int) -> None:
+        """Raises ValueError when a warp-specialized consumer's gate / up accumulators alone (two
+        float32 [BO, BT] over its 128 threads: 2 * BO * BT / 128 registers a thread) take its
+        whole register budget (`consumer_registers`). block_o=128, block_t=128, consumers=2
+        (256 of 232) returned NaN at 520 and 8192 tokens on an H200 (2026-12-03), where the
+        same tiles with one warpgroup (consumers=0, no setmaxnreg, 255 a thread) were correct,
+        only 2.2x slower (spilled); block_t <= 32 (64 registers) and block_o=64 at block_t=128
+        (128) were correct warp specialized."""
+        if not self.consumers:
+            return
+        acc, budget = 2 * self.block_o * block_t // 128, consumer_registers(self.consumers)
+        if acc >= budget:
+            raise ValueError(
+                f"W4A16Tiles(block_o={self.block_o}, consumers={self.consumers}) at block_t={block_t}: the gate / up "
+                f"accumulators take {acc} registers a thread, the consumer warpgroup has {budget}; measured on an "
+                "H200 (2026-12-03) to return NaN at block_o=128, block_t=128, consumers=2. Use block_o=64, a smaller "
+                "block_t, or consumers=0"
+            )
 
     @property
     def program_rows(self) -> int:
@@ -367,6 +395,7 @@ def moe_experts_w4a16(
     t, h = x.shape
     k = idx.shape[1]
     bt = tiles.rows_per_block(t * k, e)
+    tiles.check_registers(bt)  # block_t=None resolves here
     pos, block_expert = group_by_expert(idx, e, bt)
     rows = block_expert.shape[0] * bt
     xs = jnp.zeros((rows, h), jnp.bfloat16).at[pos].set(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0))
