@@ -107,16 +107,34 @@ def _params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
+def _store_through(smem, tile: jax.Array, dst) -> None:
+    """A register tile to the global memory ref `dst` through the shared memory ref `smem`
+    (TMA store)."""
+    smem[...] = tile
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _store(tile: jax.Array, out_gmem, rows, cols) -> None:
-    """A register tile to out_gmem[rows, cols] through shared memory (TMA store)."""
+    """A register tile to out_gmem[rows, cols] through shared memory allocated here."""
+    pl.run_scoped(lambda smem: _store_through(smem, tile, out_gmem.at[rows, cols]), plgpu.SMEM(tile.shape, tile.dtype))
 
-    def scope(smem):
-        smem[...] = tile
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, out_gmem.at[rows, cols])
-        plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scope, plgpu.SMEM(tile.shape, tile.dtype))
+def _ws_consumer(body_out, acc_shape: tuple[int, int], n_acc: int, tile_smem, dst):
+    """The compute context of a warp-specialized pipeline's consumer warpgroup: `n_acc` float32
+    accumulators of `acc_shape` in registers through the pipeline's steps, then
+    `body_out(*accumulators)` stored to `dst` through the consumer's own `tile_smem`."""
+
+    def consumer(run):
+        def acc_scope(*accs):
+            run(accs)
+            return tuple(a[...] for a in accs)
+
+        accs = pl.run_scoped(acc_scope, *[plgpu.ACC(acc_shape, jnp.float32)] * n_acc)
+        _store_through(tile_smem, body_out(*accs).astype(tile_smem.dtype), dst)
+
+    return consumer
 
 
 def _expert_view(ref, e, layer_gmem):
@@ -220,21 +238,10 @@ def _grouped_matmul_ws(body_out, n_out: int, x: jax.Array, weights: tuple, block
                 plgpu.wgmma_wait(delay * len(accs))
                 return accs
 
-            def consumer(run):
-                def acc_scope(*accs):
-                    run(accs)
-                    return tuple(a[...] for a in accs)
-
-                accs = pl.run_scoped(acc_scope, *[plgpu.ACC((BLOCK_M, bn), jnp.float32)] * len(w_gmem))
-                # A consumer's own slice of the shared epilogue tile: in a multithreaded kernel
-                # shared memory is allocated by all warpgroups together.
-                tile_smem = out_smem.at[wg]
-                tile_smem[...] = body_out(*accs).astype(tile_smem.dtype)  # [64, BN]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    tile_smem, out_gmem.at[pl.ds(b * bm + wg * BLOCK_M, BLOCK_M), pl.ds(j * bn, bn)]
-                )
-                plgpu.wait_smem_to_gmem(0)
+            # A consumer's own slice of the shared epilogue tile ([64, BN]): in a multithreaded
+            # kernel shared memory is allocated by all warpgroups together.
+            dst = out_gmem.at[pl.ds(b * bm + wg * BLOCK_M, BLOCK_M), pl.ds(j * bn, bn)]
+            consumer = _ws_consumer(body_out, (BLOCK_M, bn), len(w_gmem), out_smem.at[wg], dst)
 
             @pl.when(e >= 0)
             def _():

@@ -65,14 +65,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_jax.pallas.moe.kernel import combine, group_by_expert
-from ddtree_jax.pallas.moe.mosaic import _expert_view, _params, _store, _swiglu
+from ddtree_jax.pallas.moe.mosaic import PRODUCER_REGISTERS, _expert_view, _params, _store, _swiglu, _ws_consumer
 from ddtree_jax.quant import QuantizedArray
 
 SMEM_BUDGET = 200 * 1024
 """Shared memory the pipeline may take (an H200 block has 227 KiB): `stages` shrinks to fit."""
-
-PRODUCER_REGISTERS = 40
-"""Registers per thread of the warp-specialized kernel's producer warpgroup (it only issues TMA)."""
 
 
 def consumer_registers(consumers: int) -> int:
@@ -314,19 +311,10 @@ def _grouped_matmul_t_ws(body_out, x, weights, block_expert, layer, tiles, inter
                 plgpu.wgmma_wait(delay)
                 return accs
 
-            def consumer(run):
-                def acc_scope(*accs):
-                    run(accs)
-                    return tuple(acc[...] for acc in accs)
-
-                accs = pl.run_scoped(acc_scope, *[plgpu.ACC((bo, bt), jnp.float32)] * len(weights))
-                # A consumer's own slice of the shared epilogue tile: in a multithreaded kernel
-                # shared memory is allocated by all warpgroups together.
-                tile_smem = out_smem.at[wg]
-                tile_smem[...] = body_out(*accs).astype(tile_smem.dtype)  # [BO, BT]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(tile_smem, out_gmem.at[b, pl.ds(j * rows + wg * bo, bo)])
-                plgpu.wait_smem_to_gmem(0)
+            # A consumer's own slice of the shared epilogue tile ([BO, BT]): in a multithreaded
+            # kernel shared memory is allocated by all warpgroups together.
+            dst = out_gmem.at[b, pl.ds(j * rows + wg * bo, bo)]
+            consumer = _ws_consumer(body_out, (bo, bt), len(weights), out_smem.at[wg], dst)
 
             @pl.when(e >= 0)
             def _():
