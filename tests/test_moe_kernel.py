@@ -190,10 +190,10 @@ def test_mosaic_tiles_and_shapes_are_checked():
     with pytest.raises(ValueError, match="consumers must be 0, 1 or 2, got 3"):
         MosaicMoETiles(consumers=3)
     args = case(0, 2, 4, 48, 64, dtype=jnp.bfloat16)
-    # Two consumers crashed compiled on an H200 (CUDA_ERROR_LAUNCH_FAILED), cause unknown: refused
-    # unless interpreted (the interpreter tests above still run them).
+    # Two consumers failed compiled on an H200 (a crash, CUDA_ERROR_LAUNCH_FAILED), cause unknown:
+    # refused unless interpreted (the interpreter tests above still run them).
     with pytest.raises(
-        ValueError, match=r"consumers=2 .* refused compiled: measured on an H200 \(2026-12-03\) to crash"
+        ValueError, match=r"mosaic: consumers=2 .* refused compiled: measured on an H200 \(2026-12-03\) to fail"
     ):
         moe_experts_mosaic(*case(0, 2, 4, 64, 64, dtype=jnp.bfloat16), tiles=MosaicMoETiles(32, 32, consumers=2))
     with pytest.raises(ValueError, match="H=48 to be a multiple of block_n=32"):
@@ -357,6 +357,10 @@ def test_w4a16_tiles_and_shapes_are_checked():
     idx = [[0, 1]] * 128
     with pytest.raises(ValueError, match=r"block_o=128, consumers=2\) at block_t=128"):
         moe_experts_w4a16(*int4_case(0, idx, 2, 256, 256), tiles=W4A16Tiles(block_o=128, consumers=2))
+    # Two consumers returned wrong entries compiled on an H200 (intermittently): refused unless
+    # interpreted, as the bf16 kernel's.
+    with pytest.raises(ValueError, match=r"w4a16: consumers=2 .* refused compiled: .* to fail intermittently"):
+        moe_experts_w4a16(*int4_case(0, [[0]], 2, 256, 256), tiles=W4A16Tiles(groups_per_step=2, consumers=2))
     with pytest.raises(ValueError, match="outputs a multiple of block_o=64"):
         moe_experts_w4a16(*int4_case(0, [[0]], 2, 128, 96), interpret=mosaic_interpret())
     with pytest.raises(ValueError, match=r"down needs outputs a multiple of block_o=64 x consumers=2 .* got 192"):

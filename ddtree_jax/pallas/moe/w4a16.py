@@ -36,7 +36,8 @@ Two schedules of a program (`W4A16Tiles.consumers`):
   barriers: a "produced" barrier per slot (the TMA's bytes arrived) and a "consumed" one
   (every consumer is done with it). The pipeline moves registers from the producer (40 a
   thread left) to the consumers, which leaves room for one program an SM, where the
-  one-warpgroup schedule fits several.
+  one-warpgroup schedule fits several. Compiled, C = 2 is refused
+  (`mosaic.refuse_two_consumers`: it returned wrong entries on an H200, intermittently).
 
 The token tiles use a swizzle of at most 64 bytes, since wgmma steps through K in units of
 the swizzle's width and each step is one group of 32 inputs; so G is a multiple of 32, BT a
@@ -65,7 +66,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ddtree_jax.pallas.moe.kernel import combine, group_by_expert
-from ddtree_jax.pallas.moe.mosaic import PRODUCER_REGISTERS, _expert_view, _params, _store, _swiglu, _ws_consumer
+from ddtree_jax.pallas.moe.mosaic import (
+    PRODUCER_REGISTERS,
+    _expert_view,
+    _params,
+    _store,
+    _swiglu,
+    _ws_consumer,
+    refuse_two_consumers,
+)
 from ddtree_jax.quant import QuantizedArray
 
 SMEM_BUDGET = 200 * 1024
@@ -384,6 +393,7 @@ def moe_experts_w4a16(
     k = idx.shape[1]
     bt = tiles.rows_per_block(t * k, e)
     tiles.check_registers(bt)  # block_t=None resolves here
+    refuse_two_consumers("moe_experts_w4a16", tiles, interpret)
     pos, block_expert = group_by_expert(idx, e, bt)
     rows = block_expert.shape[0] * bt
     xs = jnp.zeros((rows, h), jnp.bfloat16).at[pos].set(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0))
