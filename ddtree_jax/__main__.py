@@ -13,6 +13,7 @@ python -m ddtree_jax demo [--checkpoint DIR | --preset small]
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -105,10 +106,17 @@ def _timed_generate(shipped, ids_batch, lengths, args, method, budget, compiled=
     return res, seconds
 
 
-def _generate_kwargs(args, method, budget, lengths) -> dict:
-    """`generate`'s keyword arguments from the command's flags."""
+@functools.cache
+def _key(seed: int):
+    """The PRNG key of --seed, made once: each call of an eval starts from the same key, and
+    making it is a device computation of its own."""
     import jax
 
+    return jax.random.key(seed)
+
+
+def _generate_kwargs(args, method, budget, lengths) -> dict:
+    """`generate`'s keyword arguments from the command's flags."""
     return dict(
         method=method,
         tree_budget=budget if method == "ddtree" else None,
@@ -117,7 +125,7 @@ def _generate_kwargs(args, method, budget, lengths) -> dict:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        key=jax.random.key(args.seed),
+        key=_key(args.seed),
         prompt_lengths=lengths,
         stop_token_ids=None if args.stop else (),
         numerics=args.numerics,

@@ -320,6 +320,12 @@ def _as_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.
     return np.where(valid, padded, 0).astype(np.int32), lengths.astype(np.int32)
 
 
+@functools.cache
+def _greedy_key() -> jax.Array:
+    """The key of a greedy call (no draw uses it), made once: making it is a device computation."""
+    return jax.random.key(0)
+
+
 def check_positions(cfg: TargetConfig, prompt_lengths, max_new_tokens: int) -> None:
     """Raises ValueError, naming the prompt, if the longest prompt + max_new_tokens outgrows the
     target's max_position_embeddings (positions past it were never trained)."""
@@ -473,7 +479,7 @@ def _run(
     if not sampling.greedy and key is None:
         raise ValueError(f"temperature={temperature} samples: pass a PRNG key, e.g. key=jax.random.key(0)")
     if key is None:
-        key = jax.random.key(0)
+        key = _greedy_key()
     ids, lengths = _as_batch(prompts, prompt_lengths, cfg.vocab_size)
     if stop_token_ids is None:
         stop_token_ids = () if cfg.eos_token_id is None else (cfg.eos_token_id,)
