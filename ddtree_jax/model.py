@@ -608,8 +608,10 @@ def _run_layers(
     implementation: str,
     numerics: str,
     span: int,
+    unroll_layers: bool = True,
 ):
-    """Scans one stack of same-kind layers.
+    """Scans one stack of same-kind layers (unrolled where `_unrolled` says, unless
+    `unroll_layers` is False).
 
     Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
     """
@@ -656,7 +658,7 @@ def _run_layers(
             x = x + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down)
         return x, (c_new, k_new, x if keep_hidden else None, counts)
 
-    unroll = _unrolled(numerics, n_layers, path)
+    unroll = unroll_layers and _unrolled(numerics, n_layers, path)
     xs = (layers, cache_ckv, cache_kpe, jnp.arange(n_layers, dtype=jnp.int32))
     x, (c_kv, k_pe, hidden, counts) = scan_layers(body, x, xs, unroll=unroll)
     return x, c_kv, k_pe, hidden, counts
@@ -678,6 +680,7 @@ def forward(
     implementation: str = "auto",
     numerics: str | None = None,
     span: int | None = None,
+    unroll_layers: bool = True,
 ) -> ForwardOutput:
     """Runs T new tokens per sequence against a committed latent cache.
 
@@ -704,6 +707,10 @@ def forward(
         passes "fast").
       span: static bound on the new tokens' offsets from cache.lengths ("exact"
         only; default T).
+      unroll_layers: False loops over each stack of stacked layers (one compiled body a
+        kind) even where "fast" numerics would unroll it (`UNROLL_MAX_LAYERS`): a pass that
+        runs once, such as a prefill, then costs less to compile. Layers given per layer
+        (`hoist_layers`) always run unrolled.
 
     Returns:
       ForwardOutput with the final-normed hidden states; apply `logits` to the
@@ -743,6 +750,7 @@ def forward(
             implementation,
             numerics,
             span,
+            unroll_layers,
         )
         c_parts.append(c_kv)
         k_parts.append(k_pe)
@@ -791,12 +799,13 @@ def append(
     tap_final_norm: bool = True,
     implementation: str = "auto",
     numerics: str | None = None,
+    unroll_layers: bool = True,
 ) -> tuple[ForwardOutput, KVCache]:
     """Runs `tokens[b, :lengths[b]]` causally after each row's committed cache and commits them.
 
     Returns the forward output (hidden states and taps of every slot; padding
     slots are meaningless) and the cache with the valid entries written and
-    lengths advanced.
+    lengths advanced. `unroll_layers` as in `forward`.
     """
     t = tokens.shape[1]
     idx = jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -811,6 +820,7 @@ def append(
         tap_final_norm=tap_final_norm,
         implementation=implementation,
         numerics=numerics,
+        unroll_layers=unroll_layers,
     )
     slots = jnp.where(idx < lengths[:, None], positions, cache.capacity)
     return out, cache.write(out.kv, slots).replace(lengths=cache.lengths + lengths)

@@ -24,6 +24,7 @@ import os
 import tempfile
 import time
 
+import _settings
 import jax
 import numpy as np
 
@@ -51,8 +52,10 @@ def main():
         help="appended to XLA_FLAGS before the backend starts, e.g. --xla_gpu_autotune_level=0 (what a flag costs "
         "or saves in compile and run time)",
     )
+    _settings.add_argument(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    _settings.apply(args.set)
     if args.xla_flags:  # read when the backend starts: the first device use below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     with tempfile.TemporaryDirectory() as folder:

@@ -19,11 +19,10 @@ one call can profile a change on and off, e.g.
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import json
 import os
 
+import _settings
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,28 +105,14 @@ def main():
     ap.add_argument(
         "--kernels", type=int, default=0, help="also trace the loops: kernels per round and the N largest (GPU)"
     )
-    ap.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="MODULE.NAME=VALUE",
-        help="override module constants first, e.g. ddtree_jax.tree.TOP_K_CHUNK=0 (before / after profiles)",
-    )
+    _settings.add_argument(ap)
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.xla_flags:  # read when the backend starts: the first device use below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     model.UNROLL_MAX_LAYERS = args.unroll_max_layers
-    for item in args.set:
-        name, eq, value = item.partition("=")
-        if not eq or "." not in name:
-            raise SystemExit(f"error: --set {item!r}: expected MODULE.NAME=VALUE")
-        module, attr = name.rsplit(".", 1)
-        mod = importlib.import_module(module)
-        if not hasattr(mod, attr):
-            raise SystemExit(f"error: {module} has no constant {attr}")
-        setattr(mod, attr, ast.literal_eval(value))
+    _settings.apply(args.set)
 
     dtype = jnp.dtype(args.dtype)
     if args.random:

@@ -1,5 +1,7 @@
 """generate(method="ar"): batching, stopping, sampling, and clear errors on bad input."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,22 @@ def test_chunked_prefill_gives_the_same_tokens(params):
     part = generate(params, d, PROMPTS, prefill_chunk=3, **kw)
     assert part.to_lists() == whole.to_lists()
     np.testing.assert_array_equal(part.accept_lengths, whole.accept_lengths)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_prefill_over_looped_or_unrolled_layers_gives_the_same_tokens(params, scan, monkeypatch):
+    """SCAN_PREFILL_LAYERS (a prefill that loops over the layer stacks, which compiles to less)
+    gives the DDTree tokens and rounds of the default on this backend."""
+    from ddtree_jax.drafters import dflash
+
+    d = dflash.init_params(dflash.drafter_config_for(params.config, block_size=4), jax.random.PRNGKey(2), std=0.1)
+    kw = dict(method="ddtree", max_new_tokens=8, stop_token_ids=())
+    default = generate(params, d, PROMPTS, **kw)
+    # The module, not the function the package exports under the same name.
+    monkeypatch.setattr(sys.modules["ddtree_jax.generate"], "SCAN_PREFILL_LAYERS", scan)
+    got = generate(params, d, PROMPTS, **kw)
+    assert got.to_lists() == default.to_lists()
+    np.testing.assert_array_equal(got.accept_lengths, default.accept_lengths)
 
 
 def test_padded_array_with_lengths_equals_lists(params):

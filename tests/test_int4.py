@@ -122,6 +122,28 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
 
 
+def test_forward_looped_over_layers_equals_unrolled(quantized):
+    """`unroll_layers=False` (the prefill's loop over each layer stack, one compiled body a kind)
+    computes the unrolled "fast" forward: same kv, hidden states and taps."""
+    cfg = quantized.config
+    tokens = jnp.asarray([[5, 17, 33, 2, 9, 250, 1, 7, 7]], jnp.int32)
+    positions = jnp.arange(9, dtype=jnp.int32)[None]
+    cache = model.KVCache.init(cfg, 1, 16)
+    mask = jnp.tril(jnp.ones((1, 9, 9), bool))
+
+    def run(unroll):
+        fn = lambda p: model.forward(  # noqa: E731
+            p, tokens, positions, cache, mask, tap_layers=(0, 1), numerics="fast", unroll_layers=unroll
+        )
+        return jax.jit(fn)(quantized), jax.jit(fn).lower(quantized).as_text().count("stablehlo.while")
+
+    (want, unrolled_loops), (got, loops) = run(True), run(False)
+    # A loop over the 2 MoE layers; jax runs the 1-layer dense stack's scan unrolled anyway.
+    assert loops == unrolled_loops + 1
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_quantized_greedy_ddtree_equals_quantized_ar(quantized):
     """With a partly wrong drafter (so trees are partly rejected), in both numerics."""
     kw = dict(max_new_tokens=20, stop_token_ids=())
