@@ -138,6 +138,16 @@ def _ws_consumer(body_out, acc_shape: tuple[int, int], n_acc: int, tile_smem, ds
     return consumer
 
 
+def _body_refs(layer, refs):
+    """A grouped-matmul kernel body's refs after the block -> expert map: (the [1] layer index,
+    or None when `layer` is None, the row blocks, [each weight], the output)."""
+    layer_gmem = None
+    if layer is not None:
+        layer_gmem, *refs = refs
+    x_gmem, *w_gmem, out_gmem = refs
+    return layer_gmem, x_gmem, w_gmem, out_gmem
+
+
 def _expert_view(ref, e, layer_gmem):
     """ref[e] of an expert stack, or ref[layer, e] of a layer stack when `layer_gmem` ([1]
     int32) is given. The layer's slice is taken here rather than in XLA: handed a slice, XLA
@@ -156,10 +166,7 @@ def _grouped_matmul(body_out, n_out: int, x: jax.Array, weights: tuple, block_ex
     nb = rows // BLOCK_M
 
     def body(expert_gmem, *refs):
-        layer_gmem = None
-        if layer is not None:
-            layer_gmem, *refs = refs
-        x_gmem, *w_gmem, out_gmem = refs
+        layer_gmem, x_gmem, w_gmem, out_gmem = _body_refs(layer, refs)
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         e = expert_gmem[b]
 
@@ -204,10 +211,7 @@ def _grouped_matmul_ws(body_out, n_out: int, x: jax.Array, weights: tuple, block
     delay = min(1, tiles.stages - 1)
 
     def body(expert_gmem, *refs):
-        layer_gmem = None
-        if layer is not None:
-            layer_gmem, *refs = refs
-        x_gmem, *w_gmem, out_gmem = refs
+        layer_gmem, x_gmem, w_gmem, out_gmem = _body_refs(layer, refs)
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         wg = jax.lax.axis_index("wg")  # consumers 0 .. C - 1, then the producer
         e = expert_gmem[b]

@@ -68,6 +68,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ddtree_jax.pallas.moe.kernel import combine, group_by_expert
 from ddtree_jax.pallas.moe.mosaic import (
     PRODUCER_REGISTERS,
+    _body_refs,
     _expert_view,
     _params,
     _store,
@@ -229,10 +230,7 @@ def _grouped_matmul_t(body_out, x, weights, block_expert, layer, tiles, interpre
     stages = max(1, min(tiles.stages, SMEM_BUDGET // per_stage))
 
     def body(expert_gmem, *refs):
-        layer_gmem = None
-        if layer is not None:
-            layer_gmem, *refs = refs
-        x_gmem, *w_gmem, out_gmem = refs
+        layer_gmem, x_gmem, w_gmem, out_gmem = _body_refs(layer, refs)
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         e = expert_gmem[b]
 
@@ -289,10 +287,7 @@ def _grouped_matmul_t_ws(body_out, x, weights, block_expert, layer, tiles, inter
     delay = min(1, stages - 1)
 
     def body(expert_gmem, *refs):
-        layer_gmem = None
-        if layer is not None:
-            layer_gmem, *refs = refs
-        x_gmem, *w_gmem, out_gmem = refs
+        layer_gmem, x_gmem, w_gmem, out_gmem = _body_refs(layer, refs)
         b, j = jax.lax.axis_index("b"), jax.lax.axis_index("j")
         wg = jax.lax.axis_index("wg")  # consumers 0 .. C - 1, then the producer
         e = expert_gmem[b]
