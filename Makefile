@@ -29,7 +29,7 @@ venv: $(VENV)/.done
 venv-hf: $(VENV_HF)/.done
 
 demo: venv
-	$(VENV)/bin/python -m ddtree_jax generate "def parse_header(" --method ddtree --budget 64 --max-new-tokens 128 \
+	$(VENV)/bin/python -m ddtree_jax generate "def parse_header(" --method ddtree --budget 12 --max-new-tokens 128 \
 		--temperature 0.8 --top-p 0.95 --seed 0
 
 lint: venv

@@ -380,14 +380,19 @@ def main(argv=None) -> None:
     g = sub.add_parser("generate", help="generate text with the shipped checkpoints")
     g.add_argument("prompt")
     g.add_argument("--method", default="ddtree")
-    g.add_argument("--budget", type=int, default=64)
+    g.add_argument(
+        "--budget",
+        type=int,
+        default=12,
+        help="DDTree node budget (12: the shipped pair's fastest on an H200 at T = 0 and 1, docs/benchmarks.md)",
+    )
     _sampling_args(g)
     e = sub.add_parser("eval", help="tau and tokens/s per method over a held-out prompt set")
     e.add_argument(
         "--prompts", nargs="+", default=["humaneval", "test"], help="prompt sets: humaneval and/or test (64 windows)"
     )
     e.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
-    e.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    e.add_argument("--budgets", type=int, nargs="+", default=[12, 32])
     e.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     e.add_argument("--data", default="data", help="prepared data folder (test split, HumanEval fallback)")
     e.add_argument("--out", default=None, help="write the rows as JSON here")

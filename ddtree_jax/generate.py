@@ -117,20 +117,14 @@ HOIST_LOOP_INVARIANTS = True
 small INT4 stacks dequantized. False: in every round (for before / after profiles)."""
 
 
-SCAN_PREFILL_LAYERS: bool | None = None
+SCAN_PREFILL_LAYERS = True
 """Whether the prefill loops over each layer stack of the weights as loaded (`model.append`'s
 `unroll_layers=False`) instead of running the decode loop's unrolled, hoisted layers: the
-program then holds one compiled prefill layer a kind rather than one a layer. On this
-project's CPU machine that cut the shipped pair's programs from 1306 to 815 fusions (ar) and
-1671 to 1210 (ddtree(32)), and their compile from 18.8 to 10.0 s and 25.0 to 13.5 s. On the
-GPU a loop pays a host round trip a layer in every call, not yet weighed there against the
-compile time it saves. None: loop on the CPU, unroll elsewhere."""
-
-
-def _scan_prefill() -> bool:
-    if SCAN_PREFILL_LAYERS is None:
-        return jax.default_backend() == "cpu"
-    return SCAN_PREFILL_LAYERS
+program then holds one compiled prefill layer a kind rather than one a layer. On one H200
+(`experiments/compile_time.py --budgets 32`, `docs/results/s21/`) the shipped pair's cold
+compiles fell from 14.3 / 15.8 / 16.6 s to 9.4 / 12.7 / 11.9 s (ar / dflash / ddtree(32)),
+and a one-token call (a 256-token prefill and one step) from 4.44 to 3.70 ms (ar) and 4.53
+to 4.15 ms (ddtree(32)). False: the unrolled prefill (for before / after runs)."""
 
 
 def for_loop(target: TargetParams, drafter, numerics: str, implementation: str):
@@ -257,7 +251,7 @@ def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _S
     # while_loop updates it in place.
     # The barrier keeps XLA from constant-folding attention over the all-zero cache (slow to compile).
     cache = jax.lax.optimization_barrier(KVCache.init(target.config, b, st.cache_capacity, jnp.dtype(st.cache_dtype)))
-    scan = _scan_prefill()
+    scan = SCAN_PREFILL_LAYERS
     first_logits, cache, draft_state = _prefill(
         loaded if scan else target, drafter, cache, prompts, prompt_lengths, st, unroll_layers=not scan
     )

@@ -13,12 +13,19 @@ For each program (ar, dflash, ddtree at each `--budgets`; one batch-1 prompt of
 - lower: after `compile_cache.clear()`, `ddtree_jax.generate.lower` alone: the Python
   trace and the lowering to StableHLO that `warm_jax` pays before the cache lookup.
 cold - run and warm - run are the compile costs a sweep pays per configuration
-without and with the cache.
+without and with the cache. With `--trace DIR` the cold call is profiled (jax.profiler, host
+events only, no Python tracer) and each row gets `phases`: the named host events (XLA's
+compiler passes, autotuning, jax's lowering) with the most summed time; cold then includes
+the profiler's overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import glob
+import gzip
 import json
 import os
 import tempfile
@@ -39,10 +46,33 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def traced(folder: str | None):
+    """A profile of the block into `folder` (host events, no Python tracer), or nothing."""
+    if folder is None:
+        return contextlib.nullcontext()
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    return jax.profiler.trace(folder, create_perfetto_trace=True, profiler_options=opts)
+
+
+def phases(folder: str, top: int = 40) -> list[dict]:
+    """The `top` event names of the perfetto trace under `folder` by summed duration (ms)."""
+    (path,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    total, count = collections.Counter(), collections.Counter()
+    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        if e.get("ph") == "X" and not e["name"].startswith("$"):
+            total[e["name"]] += e.get("dur", 0) / 1e3
+            count[e["name"]] += 1
+    return [dict(name=n, ms=round(ms, 2), count=count[n]) for n, ms in total.most_common(top)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"], choices=["ar", "dflash", "ddtree"])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64], help="ddtree's")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--checkpoints", default=None)
@@ -51,6 +81,12 @@ def main():
         default="",
         help="appended to XLA_FLAGS before the backend starts, e.g. --xla_gpu_autotune_level=0 (what a flag costs "
         "or saves in compile and run time)",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="profile the first program's cold call into DIR (see above); one program a process: on the H200 "
+        "the second profiled compile of a process died (CUDA_ERROR_LAUNCH_FAILED)",
     )
     _settings.add_argument(ap)
     ap.add_argument("--out", default=None)
@@ -65,7 +101,7 @@ def main():
         s = load_shipped(args.checkpoints, dtype=args.dtype)
         ids = np.random.default_rng(0).integers(4, s.target.config.vocab_size, (1, args.prompt_len)).astype(np.int32)
         kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=())
-        programs = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
+        programs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
         rows = []
         print(f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}")
         for method, budget in programs:
@@ -74,7 +110,10 @@ def main():
             def call(d=drafter, m=method, b=budget):
                 return generate(s.target, d, ids, method=m, tree_budget=b, **kw)
 
-            cold = timed(call)
+            name = method + (str(budget) if budget else "")
+            trace_dir = None if args.trace is None or rows else os.path.join(args.trace, name)
+            with traced(trace_dir):
+                cold = timed(call)
             compile_cache.clear()
             warm = timed(call)
             run = timed(call)
@@ -99,6 +138,7 @@ def main():
                     warm_jax_s=warm_jax,
                     run_s=run,
                     lower_s=lowering,
+                    **({} if trace_dir is None else {"phases": phases(trace_dir)}),
                 )
             )
             print(
@@ -106,18 +146,21 @@ def main():
                 f"run {run:.3f} s, trace + lower {lowering:.2f} s",
                 flush=True,
             )
-        entries = len([f for f in os.listdir(folder) if f.endswith("-cache")])
-        executables = len(os.listdir(os.path.join(folder, "executables")))
+            save(args, folder, rows)  # after each program: a later one may take the process down
+
+
+def save(args, folder: str, rows: list[dict]) -> None:
+    if not args.out:
+        return
     out = {
         "device": jax.devices()[0].device_kind,
         "args": vars(args),
-        "cache_entries": entries,
-        "executables": executables,
+        "cache_entries": len([f for f in os.listdir(folder) if f.endswith("-cache")]),
+        "executables": len(os.listdir(os.path.join(folder, "executables"))),
         "rows": rows,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

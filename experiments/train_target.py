@@ -100,8 +100,7 @@ def main():
     val_stream = np.load(os.path.join(args.data, "validation.npy"))
     val_batches = windows(val_stream, np.random.default_rng(123), 64, args.seq + 1).reshape(4, 16, -1)
 
-    params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
-    if args.init:
+    if args.init:  # no random init first: op by op, it took seconds even for the tiny preset
         start = checkpoint.load_target(args.init, dtype=jnp.float32)
         if start.config.expert_int4_group_size is not None:  # an INT4 export: continue from its rounded experts
             start = model.dequantize_experts(start, jnp.float32)
@@ -109,6 +108,8 @@ def main():
             raise SystemExit(f"--init {args.init}: its config differs from --preset {args.preset}'s: {start.config}")
         params = start
         print(f"initialised from {args.init}")
+    else:
+        params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
     compute = jnp.dtype(args.compute_dtype) if args.compute_dtype != "float32" else None
     frozen = train.router_bias_mask(params)
     if args.fit_minutes:

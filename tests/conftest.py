@@ -57,6 +57,22 @@ def pytest_configure(config):
         os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(jax.config.jax_compilation_cache_max_size)
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(MIN_CACHED_COMPILE_S)
 
+    # `-n N` (xdist's "load"): tests that share a module-scoped fixture go to one worker, as
+    # "loadgroup" does with the groups `pytest_collection_modifyitems` gives them. Under "load",
+    # neighbours were split between the workers, and each built the fixture (the shipped pair's
+    # greedy runs, the HF references, the sharding subprocess) and compiled the module's
+    # shared programs again; the other tests are still sent one by one.
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs is not None and any(d[-1].scope == "module" for d in defs.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
 
 def pytest_unconfigure(config):
     if _SESSION_CACHE is not None:

@@ -129,13 +129,16 @@ def test_compile_time_script_splits_warm_time(tiny_pair, tmp_path):
     proc = run_script(
         "compile_time.py",
         *("--checkpoints", tiny_pair, "--dtype", "float32", "--budgets", 4),
-        *("--prompt-len", 8, "--max-new-tokens", 4, "--out", out),
+        *("--prompt-len", 8, "--max-new-tokens", 4, "--out", out, "--trace", tmp_path / "trace"),
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4)]
+    # The first program's cold call alone is profiled: XLA's compile is among its named phases.
+    assert any(p["name"] == "backend_compile_and_load" and p["ms"] > 0 for p in rows[0]["phases"]), rows[0]
+    assert not any("phases" in r for r in rows[1:])
     for r in rows:  # only that each figure was taken: their order is wall-clock, which a busy machine bends
         assert min(r["cold_s"], r["warm_s"], r["warm_jax_s"], r["run_s"], r["lower_s"]) > 0, r
     assert result["executables"] == 3  # one whole executable a program
