@@ -85,8 +85,8 @@ def main():
     ap.add_argument(
         "--trace",
         default=None,
-        help="profile the first program's cold call into DIR (see above); one program a process: on the H200 "
-        "the second profiled compile of a process died (CUDA_ERROR_LAUNCH_FAILED)",
+        help="profile the first program's cold call into DIR (see above); on the H200 the profiled dflash and "
+        "ddtree programs died (CUDA_ERROR_LAUNCH_FAILED), alone in their process too; ar ran",
     )
     _settings.add_argument(ap)
     ap.add_argument("--out", default=None)
