@@ -41,7 +41,7 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 
 test: venv venv-hf lint
-	DDTREE_HF_PYTHON=$(abspath $(VENV_HF))/bin/python $(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)
+	DDTREE_HF_PYTHON=$(abspath $(VENV_HF))/bin/python $(VENV)/bin/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_HF) .pytest_cache .ruff_cache

@@ -105,9 +105,10 @@ def from_words(words: np.ndarray, group_size: int) -> np.ndarray:
 
 
 def bits(dtype) -> int:
-    """Bits per element of `dtype` (4 for int4, which numpy's itemsize counts as a byte)."""
+    """Bits per element of `dtype` as stored (4 for int4, which numpy's itemsize counts as a byte;
+    8 for bool)."""
     dtype = jnp.dtype(dtype)
-    return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
+    return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else 8 * dtype.itemsize
 
 
 def nbytes(tree) -> int:

@@ -88,6 +88,11 @@ def main():
         help="profile the first program's cold call into DIR (see above); on the H200 the profiled dflash and "
         "ddtree programs died (CUDA_ERROR_LAUNCH_FAILED), alone in their process too; ar ran",
     )
+    ap.add_argument(
+        "--no-jax-cache",
+        action="store_true",
+        help="skip warm_jax and lower (their second full compile per program): cold, warm and run only",
+    )
     _settings.add_argument(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -117,18 +122,9 @@ def main():
             compile_cache.clear()
             warm = timed(call)
             run = timed(call)
-            # jax's own cache holds no generate program yet (the executable cache compiles
-            # those with it off), so fill it first, then time a load from it.
-            compile_cache.enable(folder, executables=False)
-            compile_cache.clear()
-            timed(call)
-            compile_cache.clear()
-            warm_jax = timed(call)
-            compile_cache.enable(folder)
-            compile_cache.clear()
-            t0 = time.perf_counter()
-            lower(s.target, drafter, ids, method=method, tree_budget=budget, **kw)
-            lowering = time.perf_counter() - t0
+            warm_jax = lowering = None
+            if not args.no_jax_cache:
+                warm_jax, lowering = jax_cache_row(folder, call, s, drafter, ids, method, budget, kw)
             rows.append(
                 dict(
                     method=method,
@@ -142,11 +138,27 @@ def main():
                 )
             )
             print(
-                f"{method} {budget or ''}: cold {cold:.2f} s, warm {warm:.2f} s (jax's cache alone {warm_jax:.2f} s), "
-                f"run {run:.3f} s, trace + lower {lowering:.2f} s",
+                f"{method} {budget or ''}: cold {cold:.2f} s, warm {warm:.2f} s, run {run:.3f} s"
+                + ("" if warm_jax is None else f", jax's cache alone {warm_jax:.2f} s, trace + lower {lowering:.2f} s"),
                 flush=True,
             )
             save(args, folder, rows)  # after each program: a later one may take the process down
+
+
+def jax_cache_row(folder, call, s, drafter, ids, method, budget, kw) -> tuple[float, float]:
+    """(warm_jax, lower): a load from jax's own cache, and the trace + lowering alone."""
+    # jax's own cache holds no generate program yet (the executable cache compiles those
+    # with it off), so fill it first, then time a load from it.
+    compile_cache.enable(folder, executables=False)
+    compile_cache.clear()
+    timed(call)
+    compile_cache.clear()
+    warm_jax = timed(call)
+    compile_cache.enable(folder)
+    compile_cache.clear()
+    t0 = time.perf_counter()
+    lower(s.target, drafter, ids, method=method, tree_budget=budget, **kw)
+    return warm_jax, time.perf_counter() - t0
 
 
 def save(args, folder: str, rows: list[dict]) -> None:

@@ -57,20 +57,20 @@ def pytest_configure(config):
         os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(jax.config.jax_compilation_cache_max_size)
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(MIN_CACHED_COMPILE_S)
 
-    # `-n N` (xdist's "load"): tests that share a module-scoped fixture go to one worker, as
-    # "loadgroup" does with the groups `pytest_collection_modifyitems` gives them. Under "load",
-    # neighbours were split between the workers, and each built the fixture (the shipped pair's
-    # greedy runs, the HF references, the sharding subprocess) and compiled the module's
-    # shared programs again; the other tests are still sent one by one.
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
+
+# Module-scoped fixtures that take tens of seconds or more to build (the 8-device sharding
+# subprocess, the shipped pair's and the decode tests' greedy runs, the HF and DFlash references).
+SHARED_FIXTURES = {"sharded_runs", "shipped", "greedy", "parity", "drafter_parity", "end_to_end"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(items):
+    """The tests that use one of SHARED_FIXTURES form one xdist group per module (`make test`
+    passes `--dist loadgroup`), so one worker builds the fixture; under plain "load" each worker
+    built it again. Other tests are sent one by one: grouping every module-scoped fixture (most
+    are a random init of a second) put whole modules on one worker and left the other idle."""
     for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        if defs is not None and any(d[-1].scope == "module" for d in defs.name2fixturedefs.values()):
+        if SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 

@@ -381,6 +381,38 @@ def test_bench_kernels_writes_rows_and_resumes(tmp_path):
     assert again.returncode == 0 and "10 rows" in again.stdout and "| moe_ep8_t1 |" not in again.stdout
 
 
+def test_bench_kernels_stops_on_a_wrong_or_failing_kernel(monkeypatch, tmp_path, capsys):
+    """Only other projects' baselines may fail and be recorded: this project's implementation
+    off its reference, or raising, ends the run with an error naming the shape (a GPU run once
+    wrote 166 rows that all said "failed" and exited 0)."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    import bench_kernels
+
+    from ddtree_jax.pallas.moe.reference import moe_experts_xla
+
+    def impls(wrong=None, raising=None, baseline_raising=False):
+        out = {"xla": moe_experts_xla, "xla-int4": moe_experts_xla}
+        if wrong:
+            out[wrong] = lambda *a: 1.1 * moe_experts_xla(*a)
+        if raising:
+            out[raising] = lambda *a: jnp.reshape(a[0], (-1, 7, 5))
+        if baseline_raising:
+            out["ragged_dot_mgpu"] = lambda *a: jnp.reshape(a[0], (-1, 7, 5))
+        return out
+
+    monkeypatch.setattr(bench_kernels, "moe_shapes", lambda quick, smoke: {"moe_ep8_t1": bench_kernels.MoEShape(1)})
+    argv = ["--smoke", "--reps", "1", "--only", "moe", "--out", str(tmp_path / "rows.json")]
+    monkeypatch.setattr(bench_kernels, "moe_impls", lambda smoke: impls(baseline_raising=True))
+    bench_kernels.main(argv)
+    assert "| moe_ep8_t1 | ragged_dot_mgpu | failed: " in capsys.readouterr().out
+    monkeypatch.setattr(bench_kernels, "moe_impls", lambda smoke: impls(wrong="mosaic"))
+    with pytest.raises(SystemExit, match=r"moe_ep8_t1 mosaic: max abs error .* against xla"):
+        bench_kernels.main(argv)
+    monkeypatch.setattr(bench_kernels, "moe_impls", lambda smoke: impls(raising="mosaic-int4"))
+    with pytest.raises(TypeError):
+        bench_kernels.main(argv)
+
+
 def test_sweep_w4a16_rows(tmp_path):
     """The W4A16 tile sweep in interpret mode (shrunk shard): one row per implementation and tile
     config (the last warp specialized, 2 consumers), errors against the XLA path, a rejected

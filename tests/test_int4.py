@@ -301,3 +301,16 @@ def test_bad_quantized_tensors_are_named(quantized, tmp_path):
     rewrite(tmp_path / "d", lambda t: t.update({name + ".weight_packed": np.zeros((4, 4), np.int32)}))
     with pytest.raises(CheckpointError, match="is pack-quantized, but only routed experts may be"):
         checkpoint.load_target(tmp_path / "d")
+
+
+def test_bits_and_nbytes_count_every_dtype_as_stored():
+    assert [quant.bits(d) for d in (jnp.int4, jnp.uint4, jnp.int8, jnp.bfloat16, jnp.float32, jnp.bool_)] == [
+        4,
+        4,
+        8,
+        16,
+        32,
+        8,
+    ]
+    tree = [jnp.zeros((3, 4), jnp.bool_), jnp.zeros((8,), jnp.int4), jax.ShapeDtypeStruct((2,), jnp.float32)]
+    assert quant.nbytes(tree) == 12 + 4 + 8
