@@ -304,13 +304,7 @@ def test_bad_quantized_tensors_are_named(quantized, tmp_path):
 
 
 def test_bits_and_nbytes_count_every_dtype_as_stored():
-    assert [quant.bits(d) for d in (jnp.int4, jnp.uint4, jnp.int8, jnp.bfloat16, jnp.float32, jnp.bool_)] == [
-        4,
-        4,
-        8,
-        16,
-        32,
-        8,
-    ]
+    dtypes = (jnp.int4, jnp.uint4, jnp.int8, jnp.bfloat16, jnp.float32, jnp.bool_)
+    assert [quant.bits(d) for d in dtypes] == [4, 4, 8, 16, 32, 8]
     tree = [jnp.zeros((3, 4), jnp.bool_), jnp.zeros((8,), jnp.int4), jax.ShapeDtypeStruct((2,), jnp.float32)]
     assert quant.nbytes(tree) == 12 + 4 + 8
