@@ -192,10 +192,11 @@ def main(argv=None):
     print("| shape | impl | ms | TFLOP/s | GB/s | % peak | max abs err | vs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 
+    def out_of_time():
+        return args.budget_s is not None and time.perf_counter() - start > args.budget_s
+
     def record(name, impl, fn, operands, flops, nbytes, expected, against):
-        if (name, impl) in done:
-            return
-        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+        if (name, impl) in done or out_of_time():
             return
         try:
             sec, timer = device_time(fn, operands, args.reps)
@@ -244,6 +245,8 @@ def main(argv=None):
             impls = mla_impls(shape, args.smoke)
             if all((name, i) in done for i in impls):
                 continue
+            if out_of_time():  # the references below compile too: stop before them
+                break
             x = mla_bench.inputs(shape, jax.random.PRNGKey(0))
             flops, nbytes = mla_bench.cost(shape)
             # The reference: the XLA path, on the first sequence alone where all of their scores
@@ -264,6 +267,8 @@ def main(argv=None):
     if args.only in (None, "moe"):
         int4 = Int4(32)
         for name, shape in moe_shapes(args.quick, args.smoke).items():
+            if out_of_time():  # inputs and references compile too: stop before them
+                break
             shape = _shrink_moe(shape) if args.smoke else shape
             x = moe_bench.inputs(shape, jax.random.PRNGKey(0))
             used = int(jnp.unique(x[1]).size)

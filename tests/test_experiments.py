@@ -413,6 +413,21 @@ def test_bench_kernels_stops_on_a_wrong_or_failing_kernel(monkeypatch, tmp_path,
         bench_kernels.main(argv)
 
 
+def test_bench_kernels_budget_stops_before_a_shapes_inputs(monkeypatch, tmp_path, capsys):
+    """Past --budget-s no new shape is set up: its inputs and references compile too, and a GPU
+    run that checked the budget only per row ran 130 s past it and was killed."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    import bench_kernels
+
+    def no_setup(*_):
+        raise AssertionError("a shape was set up past the budget")
+
+    monkeypatch.setattr(bench_kernels.mla_bench, "inputs", no_setup)
+    monkeypatch.setattr(bench_kernels.moe_bench, "inputs", no_setup)
+    bench_kernels.main(["--smoke", "--budget-s", "-1", "--out", str(tmp_path / "rows.json")])
+    assert "0 rows" in capsys.readouterr().out
+
+
 def test_sweep_w4a16_rows(tmp_path):
     """The W4A16 tile sweep in interpret mode (shrunk shard): one row per implementation and tile
     config (the last warp specialized, 2 consumers), errors against the XLA path, a rejected
