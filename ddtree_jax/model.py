@@ -42,12 +42,12 @@ from ddtree_jax.layers import (
     swiglu,
     unstack,
 )
+from ddtree_jax.numerics import ROW_TILE, routed_in_pair_tiles, tile_rows
 from ddtree_jax.numerics import resolve as resolve_numerics
-from ddtree_jax.numerics import tile_rows
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.api import resolve as resolve_moe
-from ddtree_jax.pallas.moe.reference import moe_experts_reference
+from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_pairs_in_tiles, weighted_sum
 from ddtree_jax.quant import Int4, QuantizedArray
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
@@ -581,17 +581,37 @@ def _exact_layer(
         positions=positions,
         span=span,
     )
-    is_moe = isinstance(lp.mlp, MoEParams)
+    mlp = lp.mlp
+    is_moe = isinstance(mlp, MoEParams)
+    # Many, large experts: the routed pairs in tiles of one expert, after the row tiles.
+    pair_tiles = is_moe and routed_in_pair_tiles(
+        cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    )
 
     def post(xt, ot):  # [TM, H], [TM, N, R]
         xt = xt + _attn_output(lp.attn, ot[None], xt.dtype)[0]
         hx = rms_norm(xt, lp.mlp_norm, cfg.rms_norm_eps)
         if not is_moe:
-            return xt + swiglu(hx, lp.mlp.gate, lp.mlp.up, lp.mlp.down), None
-        y, idx = _moe_tokens(cfg, lp.mlp, hx, moe_experts_reference)  # every expert per tile: fixed shapes
+            return xt + swiglu(hx, mlp.gate, mlp.up, mlp.down), None
+        if pair_tiles:
+            return xt, hx, *route(cfg, hx, mlp.router, mlp.router_bias)
+        y, idx = _moe_tokens(cfg, mlp, hx, moe_experts_reference)  # every expert per tile: fixed shapes
         return xt + y, idx
 
-    x, idx = tile_rows(post, x.reshape(b * t, h), o_lat.reshape(b * t, n, r))
+    out = tile_rows(post, x.reshape(b * t, h), o_lat.reshape(b * t, n, r))
+    if not pair_tiles:
+        x, idx = out
+        return x.reshape(b, t, h), c_kv, k_pe, idx
+    x, hx, idx, w = out
+    ys = moe_pairs_in_tiles(hx, idx, mlp.gate, mlp.up, mlp.down, ROW_TILE)  # [M, K, H]
+
+    def finish(xt, hxt, wt, yt):  # per token: the weighted sum, the shared experts, the residual
+        y = weighted_sum(wt, yt)
+        if mlp.shared is not None:
+            y = y + swiglu(hxt, mlp.shared.gate, mlp.shared.up, mlp.shared.down)
+        return xt + y
+
+    x = tile_rows(finish, x, hx, w, ys)
     return x.reshape(b, t, h), c_kv, k_pe, idx
 
 

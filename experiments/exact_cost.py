@@ -158,7 +158,9 @@ def main():
             if not args.skip_timing:
                 kwargs = {} if numerics == "default" else {"numerics": numerics}
                 for method, budget in (("ar", None), ("ddtree", args.budget)):
-                    sec = in_loop(shipped.target, shipped.drafter, prompt, method, budget, args.loop_tokens, **kwargs)
+                    sec, _, _ = in_loop(
+                        shipped.target, shipped.drafter, prompt, method, budget, args.loop_tokens, **kwargs
+                    )
                     row[f"{method}_round_ms"] = sec * 1e3
             if not args.skip_logits:
                 row["logits_differing"] = logits_check(shipped.target, stdlib_ids(shipped.tokenizer), numerics)

@@ -54,19 +54,22 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
     return time_call(lambda: looped(args), repeats)[0] / reps
 
 
-def in_loop(target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, kernels: int = 0):
+def in_loop(
+    target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, kernels: int = 0, **gen_kwargs
+):
     """(seconds per round of `generate`'s while loop: (t(tokens) - t(1)) / rounds, kernel table,
     t(1): the fixed cost of a call, its dispatch, prefill and first token).
 
     With `kernels` > 0 the `tokens` run is also traced: kernels launched per round (the
     one-token run's prefill and first step subtracted), their summed time, and the
-    `kernels` largest by time (`bench_util.kernel_table`); else the table is None.
+    `kernels` largest by time (`bench_util.kernel_table`); else the table is None. `gen_kwargs`
+    go to `generate` (e.g. numerics).
     """
     draft = None if method == "ar" else dparams
 
     def call(m):
         return lambda: generate(
-            target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=()
+            target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=(), **gen_kwargs
         )
 
     def run(m):

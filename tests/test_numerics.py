@@ -88,6 +88,36 @@ def _exact(inp, ckv, kpe, lengths, mask, positions, span=None):
     )
 
 
+@pytest.mark.parametrize("int4", [False, True], ids=["dense", "int4"])
+def test_moe_pairs_in_tiles_match_the_reference_and_not_the_other_pairs(int4):
+    """Each pair's output in "exact" mode: the reference's routed experts once weighted and summed,
+    zeros for ids outside [0, E), and bitwise the same whatever the other tokens and their routing
+    (an expert with no tokens, all pairs on one expert, a run longer than a tile)."""
+    from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_pairs_in_tiles, weighted_sum
+    from ddtree_jax.quant import Int4
+
+    rng = np.random.default_rng(1)
+    e, h, i, k = 6, 64, 32, 2
+    x = jnp.asarray(rng.standard_normal((21, h)), jnp.float32)
+    gate, up = (jnp.asarray(rng.standard_normal((e, h, i)) * 0.2, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((e, i, h)) * 0.2, jnp.float32)
+    if int4:
+        gate, up, down = (Int4(32).quantize(a) for a in (gate, up, down))
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (21, k)), jnp.float32)
+    idx = jnp.asarray(rng.choice(e - 1, (21, k)), jnp.int32)  # expert e - 1 gets no token
+    pairs = jax.jit(functools.partial(moe_pairs_in_tiles, tile=4))
+    ys = pairs(x, idx, gate, up, down)
+    want = moe_experts_reference(x, idx, w, gate, up, down)
+    np.testing.assert_allclose(weighted_sum(w, ys), want, rtol=1e-5, atol=1e-5)
+    alone = np.asarray(pairs(x[3:4], idx[3:4], gate, up, down))
+    for rows, ids in ((x, idx), (x[:9], jnp.zeros_like(idx[:9]).at[3].set(idx[3])), (x[:4], idx[:4])):
+        np.testing.assert_array_equal(np.asarray(pairs(rows, ids, gate, up, down))[3], alone[0])
+    dropped = idx.at[0, 1].set(e).at[1, 0].set(-1)
+    got = np.asarray(pairs(x, dropped, gate, up, down))
+    assert not got[0, 1].any() and not got[1, 0].any()
+    np.testing.assert_array_equal(got[2:], np.asarray(ys)[2:])
+
+
 def test_exact_attention_matches_the_reference_and_not_the_capacity():
     """Prefill-like causal new tokens after caches of different lengths (block edges included)."""
     rng = np.random.default_rng(1)
@@ -265,9 +295,17 @@ def test_exact_is_the_float32_default_and_bf16_runs_fast(target):
 
 
 def test_exact_numerics_with_many_experts_plain_queries_and_no_shared_expert():
+    """Near-tie routing over 32 experts large enough that "exact" mode runs them as pairs in
+    tiles of one expert (`numerics.routed_in_pair_tiles`)."""
     cfg = dataclasses.replace(
-        NEAR_TIE, n_routed_experts=32, num_experts_per_tok=3, q_lora_rank=None, n_shared_experts=0
+        NEAR_TIE,
+        n_routed_experts=32,
+        num_experts_per_tok=3,
+        moe_intermediate_size=256,
+        q_lora_rank=None,
+        n_shared_experts=0,
     )
+    assert numerics.routed_in_pair_tiles(32, 3, cfg.hidden_size, 256)
     params = near_tie_target(cfg, seed=11)
     kw = dict(max_new_tokens=40, stop_token_ids=())
     ar = generate(params, PROMPTS[:1], **kw).to_lists()[0]

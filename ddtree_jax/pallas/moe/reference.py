@@ -5,7 +5,8 @@ per token. Expert e computes down_e(silu(x @ gate_e) * (x @ up_e)); token t's
 output is sum_k w[t, k] * expert_{idx[t, k]}(x_t).
 
 `moe_experts_reference` runs every expert on every token (simple, obviously
-right; the test oracle). The XLA path in `moe_experts_xla` takes a weight gather
+right; the test oracle). `moe_pairs_in_tiles` is the "exact" numerics' path
+(numerics.py): each pair's expert output from fixed-shape tiles of one expert. The XLA path in `moe_experts_xla` takes a weight gather
 when few (token, expert) pairs are live (decode), the reference's dense pass for up to
 `DENSE_MAX_TOKENS` tokens (tree verify), and a sort + `jax.lax.ragged_dot` grouped GEMM,
 doing only the routed work, beyond (prefill).
@@ -79,7 +80,7 @@ def _moe_gather(x, idx, w, gate, up, down):
     h_up = einsum("th,tkhi->tki", x, u).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
     y = jnp.where((idx < e)[..., None], einsum("tki,tkih->tkh", act, d).astype(x.dtype), 0)
-    return _weighted_sum(w, y)
+    return weighted_sum(w, y)
 
 
 def _sort_pairs(x, idx):
@@ -101,10 +102,10 @@ def _combine_sorted(ys, order, w):
     """Pair outputs in sorted order [T*K, H] -> each token's routing-weighted sum [T, H]."""
     t, k = w.shape
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
-    return _weighted_sum(w, y)
+    return weighted_sum(w, y)
 
 
-def _weighted_sum(w, y):
+def weighted_sum(w, y):
     """sum_k w[t, k] * y[t, k] in float32: w [T, K] f32, y [T, K, H] -> [T, H] in y's dtype.
 
     A multiply and a sum, not an einsum: on the GPU XLA runs a float32 einsum as a TF32
@@ -168,3 +169,49 @@ def moe_experts_xla(x, idx, w, gate, up, down):
     if isinstance(gate, QuantizedArray):
         return _moe_ragged_int4(x, idx, w, gate, up, down)
     return _moe_ragged(x, idx, w, gate, up, down)
+
+
+def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
+    """Each (token, expert) pair's expert output, computed in tiles of `tile` pairs of one expert.
+
+    The "exact" numerics' routed experts (numerics.py): the pairs are sorted by expert, each
+    expert's run padded to whole tiles, and a loop over the tiles in use runs one expert's
+    SwiGLU on a [tile, H] block, so every pair's output comes from ops of one shape whatever
+    T and the routing are, and only the routed work is done (the reference's dense pass runs
+    E / K times that).
+
+    x [T, H], idx [T, K] int (ids outside [0, E) give zeros), gate / up [E, H, I], down
+    [E, I, H] (dense or INT4) -> [T, K, H] in x's dtype.
+    """
+    t, k = idx.shape
+    e, h = gate.shape[0], x.shape[1]
+    pairs = t * k
+    n_tiles = -(-pairs // tile) + e  # each expert's run rounds up by less than a tile
+    flat = idx.reshape(-1)
+    valid = (flat >= 0) & (flat < e)
+    expert = jnp.where(valid, flat, e)  # invalid pairs sort last, into no tile
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.bincount(expert, length=e + 1)[:e]
+    tiles = -(-sizes // tile)
+    first_tile = jnp.cumsum(tiles) - tiles
+    first_pair = jnp.cumsum(sizes) - sizes
+    sorted_expert = expert[order]
+    e_c = jnp.minimum(sorted_expert, e - 1)
+    rank = jnp.arange(pairs) - first_pair[e_c]
+    row = jnp.where(sorted_expert < e, first_tile[e_c] * tile + rank, n_tiles * tile)  # past the end: dropped
+    xs = jnp.zeros((n_tiles * tile, h), x.dtype).at[row].set(x[order // k], mode="drop")
+    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(n_tiles), side="right"), e - 1)
+
+    def one_tile(i, ys):
+        def pick(a):  # expert tile_expert[i]'s weights; INT4 dequantized here
+            return _take(a, tile_expert[i], x.dtype)
+
+        xt = jax.lax.dynamic_slice_in_dim(xs, i * tile, tile)
+        act = (jax.nn.silu(einsum("th,hi->ti", xt, pick(gate))) * einsum("th,hi->ti", xt, pick(up))).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(
+            ys, einsum("ti,ih->th", act, pick(down)).astype(x.dtype), i * tile, 0
+        )
+
+    ys = jax.lax.fori_loop(0, jnp.sum(tiles), one_tile, jnp.zeros_like(xs))
+    out = jnp.where(valid[order][:, None], ys.at[row].get(mode="fill", fill_value=0), 0)
+    return jnp.zeros((pairs, h), x.dtype).at[order].set(out).reshape(t, k, h)
