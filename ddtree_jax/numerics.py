@@ -50,7 +50,7 @@ def routed_in_pair_tiles(n_experts: int, top_k: int, hidden: int, expert_interme
     Pairs when E >= EXACT_PAIR_TILES_MIN_RATIO * K and an expert's matrices hold at least
     EXACT_PAIR_TILES_MIN_WEIGHTS weights. Measured on a 2-core CPU: a forward of 2 x 65 tokens
     of the shipped target (E = 16, K = 2, 384 x 192) 566 -> 162 ms in pairs; the tests' tiny
-    models (64 x 32), compile-bound, 27-40% slower in pairs.
+    models (64 x 32), compile-bound, 27-43% slower in pairs.
     """
     return (
         n_experts >= EXACT_PAIR_TILES_MIN_RATIO * top_k and hidden * expert_intermediate >= EXACT_PAIR_TILES_MIN_WEIGHTS
