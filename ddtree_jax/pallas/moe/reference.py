@@ -190,7 +190,7 @@ def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
     flat = idx.reshape(-1)
     valid = (flat >= 0) & (flat < e)
     expert = jnp.where(valid, flat, e)  # invalid pairs sort last, into no tile
-    order = jnp.argsort(expert, stable=True)
+    order, x_sorted = _sort_pairs(x, expert.reshape(t, k))
     sizes = jnp.bincount(expert, length=e + 1)[:e]
     tiles = -(-sizes // tile)
     first_tile = jnp.cumsum(tiles) - tiles
@@ -199,7 +199,7 @@ def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
     e_c = jnp.minimum(sorted_expert, e - 1)
     rank = jnp.arange(pairs) - first_pair[e_c]
     row = jnp.where(sorted_expert < e, first_tile[e_c] * tile + rank, n_tiles * tile)  # past the end: dropped
-    xs = jnp.zeros((n_tiles * tile, h), x.dtype).at[row].set(x[order // k], mode="drop")
+    xs = jnp.zeros((n_tiles * tile, h), x.dtype).at[row].set(x_sorted, mode="drop")
     tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(n_tiles), side="right"), e - 1)
 
     def one_tile(i, ys):
@@ -213,5 +213,5 @@ def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
         )
 
     ys = jax.lax.fori_loop(0, jnp.sum(tiles), one_tile, jnp.zeros_like(xs))
-    out = jnp.where(valid[order][:, None], ys.at[row].get(mode="fill", fill_value=0), 0)
+    out = ys.at[row].get(mode="fill", fill_value=0)  # invalid pairs' row is past the end: zeros
     return jnp.zeros((pairs, h), x.dtype).at[order].set(out).reshape(t, k, h)
