@@ -109,28 +109,118 @@ def target_loss(params: TargetParams, tokens: jax.Array) -> tuple[jax.Array, jax
     return jnp.mean(nll), out.expert_counts
 
 
+def repeated_ngram_mask(tokens: jax.Array, n: int = 4) -> jax.Array:
+    """[B, T] bool: token t completes an n-gram (t-n+1 .. t) that also ends at some s < t.
+
+    The vectorized form of `experiments/chain_misses.py`'s `repeated_ngrams`, the
+    repetition figure of issue 17 (positions t < n - 1 complete no n-gram).
+    """
+    b, t = tokens.shape
+    same = jnp.ones((b, t, t), bool)  # [B, t, s]: the n-grams ending at t and at s are equal
+    for k in range(n):
+        shifted = jnp.pad(tokens, ((0, 0), (k, 0)), constant_values=-1)[:, :t]  # token at position - k
+        same &= shifted[:, :, None] == shifted[:, None, :]
+    pos = jnp.arange(t)
+    earlier = (pos[None, :] < pos[:, None]) & (pos[None, :] >= n - 1)  # [t, s]
+    return jnp.any(same & earlier[None], axis=-1) & (pos >= n - 1)[None]
+
+
+def _next_token_logprobs(params: TargetParams, tokens: jax.Array) -> jax.Array:
+    """[B, T - 1, V] float32 log-probs of each next token of tokens [B, T]."""
+    out = _sequence_forward(params, tokens[:, :-1])
+    return jax.nn.log_softmax(logits(params, out.hidden, numerics="fast").astype(jnp.float32), axis=-1)
+
+
+def unlikelihood_loss(
+    params: TargetParams,
+    tokens: jax.Array,
+    continuation: jax.Array,
+    n: int = 4,
+    reference: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sequence-level unlikelihood (Welleck et al., 2019) of the model's own text [B, T].
+
+    At every position of `continuation` ([B, T] bool, the generated part) whose token
+    completes an n-gram already in the text, the loss is -log(1 - p(token | prefix)):
+    it lowers the probability of entering and staying in a loop.
+
+    Pushed down alone, a repeated token's probability can go to any other token, and a
+    small model learns a few junk tokens that break every loop. `reference` ([B, T - 1, V]
+    log-probs of a frozen model on the same text, e.g. the weights before this training)
+    says where it should go: the KL term is KL(q || p) at every continuation position, q
+    being the reference's distribution with the repeated token (where there is one)
+    removed and the rest renormalized, so the model keeps the reference's other choices.
+
+    Returns:
+      The unlikelihood summed over repeated positions, the share of continuation tokens
+      that repeat an n-gram, and the KL term (0 without `reference`), each divided by the
+      number of continuation positions.
+    """
+    lp_all = _next_token_logprobs(params, tokens)
+    labels = tokens[:, 1:]
+    lp = jnp.take_along_axis(lp_all, labels[..., None], axis=-1)[..., 0]  # [B, T-1] log p of each next token
+    counted = continuation[:, 1:]
+    repeated = repeated_ngram_mask(tokens, n)[:, 1:] & counted
+    # log(1 - p) = log(-expm1(log p)); p within float32 rounding of 1 is held at 1 - 1e-6.
+    penalty = -jnp.log(jnp.maximum(-jnp.expm1(lp), 1e-6))
+    total = jnp.maximum(jnp.sum(counted), 1)
+    kl = jnp.zeros((), jnp.float32)
+    if reference is not None:
+        ref = jax.lax.stop_gradient(reference)
+        drop = repeated[..., None] & (jnp.arange(ref.shape[-1]) == labels[..., None])  # [B, T-1, V]
+        q = jax.nn.log_softmax(jnp.where(drop, -1e30, ref), axis=-1)  # finite: no NaN in the masked terms
+        per_position = jnp.sum(jnp.where(drop, 0.0, jnp.exp(q) * (q - lp_all)), axis=-1)
+        kl = jnp.sum(jnp.where(counted, per_position, 0.0)) / total
+    return jnp.sum(jnp.where(repeated, penalty, 0.0)) / total, jnp.sum(repeated) / total, kl
+
+
 def target_train_step(
     state: TrainState,
     tokens: jax.Array,
     optimizer: optax.GradientTransformation,
     bias_rate: float = 1e-3,
     compute_dtype=None,
+    generated: jax.Array | None = None,
+    continuation: jax.Array | None = None,
+    unlikelihood_weight: float = 0.0,
+    reference: TargetParams | None = None,
+    anchor_weight: float = 0.0,
 ) -> tuple[TrainState, dict]:
     """One optimizer step on tokens [B, T + 1], then the router-bias balance update.
 
     With `compute_dtype` (e.g. bfloat16) the forward runs on a cast copy of the
     float32 master weights (router kept float32); gradients flow back to the master.
+    With `unlikelihood_weight` > 0 the loss adds that times `unlikelihood_loss` of
+    `generated` [B2, T2] (the model's own continuations; `continuation` [B2, T2] marks
+    the generated positions); with `anchor_weight` > 0 also that times its KL term against
+    the frozen `reference` weights (run in `compute_dtype` like the model). The router bias
+    follows the data batch's load only.
     """
+    if unlikelihood_weight and (generated is None or continuation is None):
+        raise ValueError(f"unlikelihood_weight={unlikelihood_weight} needs generated text and its continuation mask")
+    if anchor_weight and (not unlikelihood_weight or reference is None):
+        raise ValueError(f"anchor_weight={anchor_weight} needs unlikelihood_weight > 0 and reference weights")
+    ref_logp = None
+    if anchor_weight:
+        ref = cast_params(reference, compute_dtype) if compute_dtype is not None else reference
+        ref_logp = _next_token_logprobs(ref, generated)
 
     def loss_fn(params, tokens):
         if compute_dtype is not None:
             params = cast_params(params, compute_dtype)
-        return target_loss(params, tokens)
+        nll, counts = target_loss(params, tokens)
+        aux = {"counts": counts}
+        if not unlikelihood_weight:
+            return nll, aux
+        ul, rate, kl = unlikelihood_loss(params, generated, continuation, reference=ref_logp)
+        loss = nll + unlikelihood_weight * ul + anchor_weight * kl
+        return loss, {**aux, "nll": nll, "unlikelihood": ul, "repeat_rate": rate, "anchor_kl": kl}
 
-    (loss, counts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, tokens)
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, tokens)
+    counts = aux.pop("counts")
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
     if counts is not None:
         load = counts / jnp.sum(counts, axis=-1, keepdims=True)  # [Lm, E] fraction of routed pairs
         mlp = params.moe_layers.mlp

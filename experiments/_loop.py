@@ -53,6 +53,7 @@ def run(
     eval_every: int,
     save_every: int,
     postfix: Callable[[dict], dict],
+    before_step: Callable[[train.TrainState, int], None] | None = None,
 ) -> tuple[train.TrainState, list[dict], list[dict], float]:
     """Trains from state.step to `steps`; returns (state, history, evals, train seconds).
 
@@ -62,12 +63,16 @@ def run(
       evaluate: state -> a dict of evaluation figures (step and time_s are added).
       manager: an orbax CheckpointManager (`train.checkpoint_manager`).
       postfix: metrics -> progress-bar fields.
+      before_step: (state, step) -> None, called before each step's batch is made (e.g. to
+        regenerate the model's own text that later batches draw from).
     """
     history, evals = [], []
     start = int(state.step)
     t_train = time.time()
     bar = tqdm(range(start, steps), initial=start, total=steps, mininterval=5)
     for step in bar:
+        if before_step is not None:
+            before_step(state, step)
         state, metrics = step_fn(state, *make_batch(np.random.default_rng([seed, step])))
         if (step + 1) % 25 == 0:
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}

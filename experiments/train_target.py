@@ -2,6 +2,13 @@
 
     python experiments/train_target.py --data data --out out/target_run --steps 2000 --max-minutes 8
     python experiments/train_target.py --preset medium --int4-experts 32 ...   # issue 17's target
+    python experiments/train_target.py --init checkpoints/target --unlikelihood 1.0 --ul-anchor 1.0 ...
+
+With --unlikelihood W every step adds W x the sequence-level unlikelihood loss
+(`train.unlikelihood_loss`) of the model's own greedy continuations of train windows,
+regenerated from the current weights every --ul-refresh steps: it lowers the probability of
+tokens that repeat a 4-gram of their text, where greedy decoding of small models loops.
+--ul-anchor A keeps the freed probability on the --init weights' other choices.
 
 Writes OUT/target (HF format, bf16, sharded < 16 MB per file; the final weights),
 OUT/target_best (the same, for the evaluation with the lowest validation loss: the
@@ -25,9 +32,10 @@ import _loop
 import jax
 import jax.numpy as jnp
 import numpy as np
+from train_drafter import distill
 
 from ddtree_jax import checkpoint, compile_cache, config, model, train
-from ddtree_jax.data import Tokenizer
+from ddtree_jax.data import Tokenizer, prompt_windows
 from ddtree_jax.pallas.moe import reference
 
 
@@ -53,6 +61,46 @@ def plot(history: list[dict], evals: list[dict], path: str, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+class OwnText:
+    """The model's own greedy continuations of train windows, for the unlikelihood term."""
+
+    def __init__(self, args, train_stream: np.ndarray, val_stream: np.ndarray):
+        self.args, self.train_stream = args, train_stream
+        self.width = max(args.ul_prompt_len) + args.ul_gen_len
+        self.seqs = self.continuation = None
+        # Validation: greedy continuations of 64 validation windows, and the true text's own rate.
+        self.val_len = max(args.ul_prompt_len)
+        self.val_windows = prompt_windows(val_stream, 64, self.val_len + args.ul_gen_len, seed=1)
+        truth = train.repeated_ngram_mask(jnp.asarray(self.val_windows))[:, self.val_len :]
+        self.reference_repeats = float(jnp.mean(truth))
+
+    def refresh(self, state: train.TrainState, step: int) -> None:
+        if self.seqs is not None and step % self.args.ul_refresh:
+            return
+        a = self.args
+        target = model.cast_params(state.params, jnp.bfloat16)
+        counts = np.diff(np.linspace(0, a.ul_prompts, len(a.ul_prompt_len) + 1).astype(int))
+        parts, starts = [], []
+        for i, (length, count) in enumerate(zip(a.ul_prompt_len, counts, strict=True)):
+            prompts = prompt_windows(self.train_stream, int(count), length, seed=a.seed + 7919 * (step + 1) + i)
+            parts.append(distill(target, prompts, self.width - length, a.ul_prompts))
+            starts += [length] * int(count)
+        self.seqs = np.concatenate(parts)
+        self.continuation = np.arange(self.width)[None, :] >= np.asarray(starts)[:, None]
+
+    def batch(self, rng: np.random.Generator) -> tuple[jax.Array, jax.Array]:
+        rows = rng.integers(0, len(self.seqs), size=self.args.ul_batch)
+        return jnp.asarray(self.seqs[rows]), jnp.asarray(self.continuation[rows])
+
+    def validation_repeats(self, params) -> float:
+        """Share of the greedy continuation tokens of the validation windows that repeat a 4-gram
+        (--ul-gen-len tokens after max(--ul-prompt-len); `reference_repeats`: the true text's)."""
+        target = model.cast_params(params, jnp.bfloat16)
+        p = self.val_len
+        seqs = distill(target, self.val_windows[:, :p], self.args.ul_gen_len, len(self.val_windows))
+        return float(jnp.mean(train.repeated_ngram_mask(jnp.asarray(seqs))[:, p:]))
 
 
 def main():
@@ -81,7 +129,37 @@ def main():
         help="run every routed expert on every token (E/K x the FLOPs, no sort or ragged_dot): the MEDIUM "
         "preset's experts fwd + bwd took 9.3 ms a layer dense vs 22.0 routed on an H200 (train_step_cost.py)",
     )
+    ap.add_argument(
+        "--unlikelihood",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="add W x the unlikelihood of 4-gram repeats in the model's own greedy text to each step's loss",
+    )
+    ap.add_argument(
+        "--ul-anchor",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="with --unlikelihood and --init: add A x KL(the --init weights' distribution, the repeated token "
+        "removed || the model's) over the generated text, so that loops give way to the starting model's "
+        "next choices rather than to junk tokens",
+    )
+    ap.add_argument("--ul-batch", type=int, default=64, help="generated sequences per step")
+    ap.add_argument("--ul-prompts", type=int, default=4096, help="train windows continued at each refresh")
+    ap.add_argument("--ul-prompt-len", type=int, nargs="+", default=[64, 128], help="their lengths (split evenly)")
+    ap.add_argument("--ul-gen-len", type=int, default=128, help="tokens generated after the longest prompt")
+    ap.add_argument("--ul-refresh", type=int, default=150, help="regenerate the text every this many steps")
     args = ap.parse_args()
+    if args.unlikelihood < 0 or args.ul_anchor < 0:
+        raise SystemExit(f"--unlikelihood and --ul-anchor must be >= 0, got {args.unlikelihood}, {args.ul_anchor}")
+    if args.ul_anchor and not (args.unlikelihood and args.init):
+        raise SystemExit(f"--ul-anchor {args.ul_anchor} needs --unlikelihood > 0 and --init (the reference weights)")
+    if (
+        args.unlikelihood
+        and min(args.ul_batch, args.ul_prompts, args.ul_gen_len, args.ul_refresh, *args.ul_prompt_len) < 1
+    ):
+        raise SystemExit("--ul-batch, --ul-prompts, --ul-prompt-len, --ul-gen-len and --ul-refresh must be >= 1")
     if args.dense_experts:
         reference.DENSE_MAX_TOKENS = sys.maxsize  # same outputs and gradients: unchosen experts weigh 0
 
@@ -132,9 +210,24 @@ def main():
     if restored is not None:
         state = restored
         print(f"resumed at step {int(state.step)}")
-    step_fn = jax.jit(
-        functools.partial(train.target_train_step, optimizer=opt, compute_dtype=compute), donate_argnums=0
-    )
+
+    anchor = params if args.ul_anchor else None  # the --init weights, frozen
+
+    def step(state, tokens, generated=None, continuation=None):
+        return train.target_train_step(
+            state,
+            tokens,
+            opt,
+            compute_dtype=compute,
+            generated=generated,
+            continuation=continuation,
+            unlikelihood_weight=args.unlikelihood,
+            reference=anchor,
+            anchor_weight=args.ul_anchor,
+        )
+
+    step_fn = jax.jit(step, donate_argnums=0)
+    own = OwnText(args, train_stream, val_stream) if args.unlikelihood else None
 
     @jax.jit
     def val_loss(params, batch):
@@ -156,15 +249,23 @@ def main():
 
     def evaluate(state):
         vl = float(np.mean([float(val_loss(state.params, jnp.asarray(b))) for b in val_batches]))
-        if vl < best["val_loss"]:
+        row = {"val_loss": vl, "val_ppl": float(np.exp(vl))}
+        if own is not None:
+            row["val_repeat_4gram"] = own.validation_repeats(state.params)
+            row["val_repeat_4gram_reference"] = own.reference_repeats
+        if vl < best["val_loss"] and own is None:  # with unlikelihood the last weights loop least
             best["val_loss"] = vl
             export(state.params, "target_best")
-        return {"val_loss": vl, "val_ppl": float(np.exp(vl))}
+        return row
+
+    def make_batch(rng):
+        tokens = jnp.asarray(windows(train_stream, rng, args.batch, args.seq + 1))
+        return (tokens,) if own is None else (tokens, *own.batch(rng))
 
     state, history, evals, train_time = _loop.run(
         state,
         step_fn,
-        lambda rng: (jnp.asarray(windows(train_stream, rng, args.batch, args.seq + 1)),),
+        make_batch,
         evaluate,
         manager,
         steps=args.steps,
@@ -173,7 +274,13 @@ def main():
         max_minutes=args.max_minutes,
         eval_every=args.eval_every,
         save_every=args.save_every,
-        postfix=lambda m: {"loss": f"{m['loss']:.3f}", "load": f"{m.get('max_load', 0):.2f}"},
+        postfix=lambda m: {
+            "loss": f"{m['loss']:.3f}",
+            "load": f"{m.get('max_load', 0):.2f}",
+            **({"repeat": f"{m['repeat_rate']:.3f}"} if "repeat_rate" in m else {}),
+            **({"kl": f"{m['anchor_kl']:.3f}"} if args.ul_anchor else {}),
+        },
+        before_step=None if own is None else own.refresh,
     )
     export(state.params, "target")
     plot(

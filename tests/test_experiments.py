@@ -57,9 +57,36 @@ def test_train_target_exports_int4_experts_and_starts_from_an_export(data_dir, t
     assert int4.config.expert_int4_group_size == 32 and bf16.config.expert_int4_group_size is None
     assert isinstance(int4.moe_layers.mlp.gate, QuantizedArray)
     assert (out / "target_best_int4" / "config.json").exists()
-    # From the INT4 export (its experts dequantized); a bf16 export takes the same path minus that.
-    again = run_script("train_target.py", *common, "--steps", 0, "--init", out / "target_int4", "--out", tmp_path / "b")
+    # From the INT4 export (its experts dequantized; a bf16 export takes the same path minus
+    # that), with the unlikelihood of its own greedy text: regenerated before each step here.
+    ul = ("--unlikelihood", 1, "--ul-prompts", 4, "--ul-batch", 2, "--ul-refresh", 1, "--ul-prompt-len", 8, 12)
+    ul = (*ul, "--ul-anchor", 1)
+    again = run_script(
+        "train_target.py",
+        *common,
+        "--steps",
+        2,
+        *ul,
+        "--ul-gen-len",
+        8,
+        "--init",
+        out / "target_int4",
+        "--out",
+        tmp_path / "b",
+    )
     assert again.returncode == 0 and f"initialised from {out / 'target_int4'}" in again.stdout, again.stderr[-3000:]
+    with open(tmp_path / "b" / "target_metrics.json") as f:
+        evals = json.load(f)["evals"]
+    assert [e["step"] for e in evals] == [2] and 0 <= evals[0]["val_repeat_4gram"] <= 1
+    assert 0 < evals[0]["val_repeat_4gram_reference"] < 1  # shlex.py's own text repeats some 4-grams
+    bad = run_script(
+        "train_target.py", *common, *ul, "--ul-gen-len", 0, "--init", out / "target", "--out", tmp_path / "e"
+    )
+    assert bad.returncode != 0 and "must be >= 1" in bad.stderr, bad.stderr[-2000:]
+    bad = run_script("train_target.py", *common, *ul, "--out", tmp_path / "f")
+    assert bad.returncode != 0 and "--ul-anchor 1.0 needs --unlikelihood > 0 and --init" in bad.stderr, bad.stderr[
+        -2000:
+    ]
     wrong = run_script(
         "train_target.py", *common, "--steps", 1, "--preset", "small", "--init", out / "target", "--out", tmp_path / "c"
     )

@@ -1,6 +1,8 @@
 """A few training steps lower the loss; the router bias follows load, not gradients."""
 
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,74 @@ def test_target_steps_lower_loss_and_balance_router():
     steps = moved / 1e-2
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)  # whole +-bias_rate steps only
     assert float(metrics["max_load"]) >= 1.0
+
+
+def test_repeated_ngram_mask_is_chain_misses_figure():
+    """The jnp mask that the unlikelihood loss trains on marks exactly the tokens that
+    issue 17's repetition figure (`chain_misses.repeated_ngrams`) counts."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+    from chain_misses import repeated_ngrams
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 3, size=(6, 40)).astype(np.int32)  # 3 symbols: many repeats, many not
+    for n in (2, 4):
+        mask = np.asarray(train.repeated_ngram_mask(jnp.asarray(tokens), n))
+        want = np.stack([repeated_ngrams(row, 0, len(row), n) for row in tokens])
+        np.testing.assert_array_equal(mask, want)
+        assert 0 < want.mean() < 1
+
+
+def test_unlikelihood_steps_make_the_models_loop_less_likely():
+    """Steps on the MLE data plus the unlikelihood of a looping continuation lower that
+    loop's probability, and the KL anchor sends the mass to the reference's next choice."""
+    cfg = tiny()
+    params = random_target(cfg, seed=2, std=0.05)
+    rng = np.random.default_rng(4)
+    data = jnp.asarray(rng.integers(4, cfg.vocab_size, size=(4, 33)).astype(np.int32))
+    loop = jnp.asarray(repetitive_batch(rng, 4, 24, cfg.vocab_size))  # the "generated" text: a 4-token loop
+    continuation = jnp.broadcast_to(jnp.arange(24) >= 8, loop.shape)
+    marked = train.repeated_ngram_mask(loop)[:, 1:] & continuation[:, 1:]
+    opt = train.make_optimizer(train.OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=40), params)
+    logprobs = jax.jit(train._next_token_logprobs)
+
+    # First the model learns the loop (plain MLE on it), then unlikelihood steps unlearn it.
+    mle = jax.jit(functools.partial(train.target_train_step, optimizer=opt, bias_rate=0.0))
+    state = train.init_state(params, opt)
+    for _ in range(20):
+        state, _ = mle(state, jnp.concatenate([loop, loop[:, :9]], axis=1))
+    looping = state.params
+    ref = logprobs(looping, loop)  # [4, 23, V]
+    repeated_lp = jnp.take_along_axis(ref, loop[:, 1:, None], -1)[..., 0]
+    assert float(jnp.mean(repeated_lp[marked])) > -1.0
+    first_ul, rate, kl = train.unlikelihood_loss(looping, loop, continuation, reference=ref)
+    assert float(rate) == pytest.approx(1.0)  # every continuation token of a 4-token loop repeats a 4-gram
+    # Against itself, q is p without the repeated token: KL(q || p) = -log(1 - p) there, 0 elsewhere.
+    np.testing.assert_allclose(float(kl), float(first_ul), rtol=1e-4)
+
+    def unlearn(anchor_weight):
+        step = functools.partial(
+            train.target_train_step, optimizer=opt, bias_rate=0.0, unlikelihood_weight=1.0, anchor_weight=anchor_weight
+        )
+        state = train.init_state(looping, opt)
+        for _ in range(15):
+            state, metrics = jax.jit(step)(state, data, generated=loop, continuation=continuation, reference=looping)
+        return state.params, metrics
+
+    plain, _ = unlearn(0.0)
+    anchored, metrics = unlearn(1.0)
+    assert set(metrics) >= {"nll", "unlikelihood", "repeat_rate", "anchor_kl"}
+    for p in (plain, anchored):
+        ul, _, kl = train.unlikelihood_loss(p, loop, continuation, reference=ref)
+        assert float(ul) < 0.5 * float(first_ul)
+        assert float(jnp.mean(jnp.take_along_axis(logprobs(p, loop), loop[:, 1:, None], -1)[..., 0][marked])) < -2.0
+    # The anchor keeps the rest of the distribution near the reference's.
+    kl_plain = float(train.unlikelihood_loss(plain, loop, continuation, reference=ref)[2])
+    kl_anchored = float(train.unlikelihood_loss(anchored, loop, continuation, reference=ref)[2])
+    assert kl_anchored < 0.7 * kl_plain, (kl_anchored, kl_plain)
+    with pytest.raises(ValueError, match=r"unlikelihood_weight=0\.5 needs generated text"):
+        train.target_train_step(state, data, opt, unlikelihood_weight=0.5)  # no text given
+    with pytest.raises(ValueError, match=r"anchor_weight=1\.0 needs unlikelihood_weight > 0 and reference"):
+        train.target_train_step(state, data, opt, anchor_weight=1.0)
 
 
 def test_dense_experts_train_like_routed_ones(monkeypatch):
