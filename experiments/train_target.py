@@ -70,9 +70,9 @@ class OwnText:
         self.args, self.train_stream = args, train_stream
         self.width = max(args.ul_prompt_len) + args.ul_gen_len
         self.seqs = self.continuation = None
-        # Validation: greedy continuations of 64 validation windows, and the true text's own rate.
+        # Validation: greedy continuations of validation windows, and the true text's own rate.
         self.val_len = max(args.ul_prompt_len)
-        self.val_windows = prompt_windows(val_stream, 64, self.val_len + args.ul_gen_len, seed=1)
+        self.val_windows = prompt_windows(val_stream, args.ul_val_windows, self.val_len + args.ul_gen_len, seed=1)
         truth = train.repeated_ngram_mask(jnp.asarray(self.val_windows))[:, self.val_len :]
         self.reference_repeats = float(jnp.mean(truth))
 
@@ -150,6 +150,9 @@ def main():
     ap.add_argument("--ul-prompt-len", type=int, nargs="+", default=[64, 128], help="their lengths (split evenly)")
     ap.add_argument("--ul-gen-len", type=int, default=128, help="tokens generated after the longest prompt")
     ap.add_argument("--ul-refresh", type=int, default=150, help="regenerate the text every this many steps")
+    ap.add_argument(
+        "--ul-val-windows", type=int, default=64, help="validation windows whose greedy continuations are evaluated"
+    )
     args = ap.parse_args()
     if args.unlikelihood < 0 or args.ul_anchor < 0:
         raise SystemExit(f"--unlikelihood and --ul-anchor must be >= 0, got {args.unlikelihood}, {args.ul_anchor}")
@@ -157,9 +160,14 @@ def main():
         raise SystemExit(f"--ul-anchor {args.ul_anchor} needs --unlikelihood > 0 and --init (the reference weights)")
     if (
         args.unlikelihood
-        and min(args.ul_batch, args.ul_prompts, args.ul_gen_len, args.ul_refresh, *args.ul_prompt_len) < 1
+        and min(
+            args.ul_batch, args.ul_prompts, args.ul_gen_len, args.ul_refresh, args.ul_val_windows, *args.ul_prompt_len
+        )
+        < 1
     ):
-        raise SystemExit("--ul-batch, --ul-prompts, --ul-prompt-len, --ul-gen-len and --ul-refresh must be >= 1")
+        raise SystemExit(
+            "--ul-batch, --ul-prompts, --ul-prompt-len, --ul-gen-len, --ul-refresh and --ul-val-windows must be >= 1"
+        )
     if args.dense_experts:
         reference.DENSE_MAX_TOKENS = sys.maxsize  # same outputs and gradients: unchosen experts weigh 0
 
@@ -211,9 +219,11 @@ def main():
         state = restored
         print(f"resumed at step {int(state.step)}")
 
-    anchor = params if args.ul_anchor else None  # the --init weights, frozen
+    # The --init weights, frozen: a copy (the step donates the state's buffers), passed as an
+    # argument (closed over, jit would bake them into the program as constants).
+    anchor = jax.tree.map(jnp.array, params) if args.ul_anchor else None
 
-    def step(state, tokens, generated=None, continuation=None):
+    def step(state, reference, tokens, generated=None, continuation=None):
         return train.target_train_step(
             state,
             tokens,
@@ -222,11 +232,15 @@ def main():
             generated=generated,
             continuation=continuation,
             unlikelihood_weight=args.unlikelihood,
-            reference=anchor,
+            reference=reference,
             anchor_weight=args.ul_anchor,
         )
 
-    step_fn = jax.jit(step, donate_argnums=0)
+    jitted_step = jax.jit(step, donate_argnums=0)
+
+    def step_fn(state, *batch):
+        return jitted_step(state, anchor, *batch)
+
     own = OwnText(args, train_stream, val_stream) if args.unlikelihood else None
 
     @jax.jit

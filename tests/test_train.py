@@ -70,6 +70,7 @@ def test_unlikelihood_steps_make_the_models_loop_less_likely():
     marked = train.repeated_ngram_mask(loop)[:, 1:] & continuation[:, 1:]
     opt = train.make_optimizer(train.OptimConfig(learning_rate=3e-3, warmup_steps=2, total_steps=40), params)
     logprobs = jax.jit(train._next_token_logprobs)
+    ul_loss = jax.jit(train.unlikelihood_loss)
 
     # First the model learns the loop (plain MLE on it), then unlikelihood steps unlearn it.
     mle = jax.jit(functools.partial(train.target_train_step, optimizer=opt, bias_rate=0.0))
@@ -80,7 +81,7 @@ def test_unlikelihood_steps_make_the_models_loop_less_likely():
     ref = logprobs(looping, loop)  # [4, 23, V]
     repeated_lp = jnp.take_along_axis(ref, loop[:, 1:, None], -1)[..., 0]
     assert float(jnp.mean(repeated_lp[marked])) > -1.0
-    first_ul, rate, kl = train.unlikelihood_loss(looping, loop, continuation, reference=ref)
+    first_ul, rate, kl = ul_loss(looping, loop, continuation, reference=ref)
     assert float(rate) == pytest.approx(1.0)  # every continuation token of a 4-token loop repeats a 4-gram
     # Against itself, q is p without the repeated token: KL(q || p) = -log(1 - p) there, 0 elsewhere.
     np.testing.assert_allclose(float(kl), float(first_ul), rtol=1e-4)
@@ -98,12 +99,12 @@ def test_unlikelihood_steps_make_the_models_loop_less_likely():
     anchored, metrics = unlearn(1.0)
     assert set(metrics) >= {"nll", "unlikelihood", "repeat_rate", "anchor_kl"}
     for p in (plain, anchored):
-        ul, _, kl = train.unlikelihood_loss(p, loop, continuation, reference=ref)
+        ul, _, kl = ul_loss(p, loop, continuation, reference=ref)
         assert float(ul) < 0.5 * float(first_ul)
         assert float(jnp.mean(jnp.take_along_axis(logprobs(p, loop), loop[:, 1:, None], -1)[..., 0][marked])) < -2.0
     # The anchor keeps the rest of the distribution near the reference's.
-    kl_plain = float(train.unlikelihood_loss(plain, loop, continuation, reference=ref)[2])
-    kl_anchored = float(train.unlikelihood_loss(anchored, loop, continuation, reference=ref)[2])
+    kl_plain = float(ul_loss(plain, loop, continuation, reference=ref)[2])
+    kl_anchored = float(ul_loss(anchored, loop, continuation, reference=ref)[2])
     assert kl_anchored < 0.7 * kl_plain, (kl_anchored, kl_plain)
     with pytest.raises(ValueError, match=r"unlikelihood_weight=0\.5 needs generated text"):
         train.target_train_step(state, data, opt, unlikelihood_weight=0.5)  # no text given
