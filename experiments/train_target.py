@@ -12,7 +12,9 @@ tokens that repeat a 4-gram of their text, where greedy decoding of small models
 
 Writes OUT/target (HF format, bf16, sharded < 16 MB per file; the final weights),
 OUT/target_best (the same, for the evaluation with the lowest validation loss: the
-small corpus overfits), with --int4-experts also OUT/target_int4 and OUT/target_best_int4
+small corpus overfits; not with --unlikelihood, whose later weights loop less and whose
+evaluations also give the share of repeated 4-grams in greedy continuations of validation
+windows), with --int4-experts also OUT/target_int4 and OUT/target_best_int4
 (routed experts INT4, compressed-tensors), OUT/target_loss.png, OUT/target_metrics.json;
 resumable orbax states under OUT/ckpt_target. A run continued on a machine without those
 states starts from an exported OUT/target with --init (weights only: a fresh optimizer).
