@@ -170,6 +170,8 @@ def main():
         raise SystemExit(
             "--ul-batch, --ul-prompts, --ul-prompt-len, --ul-gen-len, --ul-refresh and --ul-val-windows must be >= 1"
         )
+    if args.unlikelihood and args.ul_prompts < len(args.ul_prompt_len):
+        raise SystemExit(f"--ul-prompts {args.ul_prompts}: need at least one per --ul-prompt-len {args.ul_prompt_len}")
     if args.dense_experts:
         reference.DENSE_MAX_TOKENS = sys.maxsize  # same outputs and gradients: unchosen experts weigh 0
 

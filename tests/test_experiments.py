@@ -85,6 +85,10 @@ def test_train_target_exports_int4_experts_and_starts_from_an_export(data_dir, t
         "train_target.py", *common, *ul, "--ul-gen-len", 0, "--init", out / "target", "--out", tmp_path / "e"
     )
     assert bad.returncode != 0 and "must be >= 1" in bad.stderr, bad.stderr[-2000:]
+    bad = run_script(
+        "train_target.py", *common, *ul, "--ul-prompts", 1, "--init", out / "target", "--out", tmp_path / "g"
+    )
+    assert bad.returncode != 0 and "--ul-prompts 1: need at least one per --ul-prompt-len [8, 12]" in bad.stderr
     bad = run_script("train_target.py", *common, *ul, "--out", tmp_path / "f")
     assert bad.returncode != 0 and "--ul-anchor 1.0 needs --unlikelihood > 0 and --init" in bad.stderr, bad.stderr[
         -2000:
