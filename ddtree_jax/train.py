@@ -112,8 +112,8 @@ def target_loss(params: TargetParams, tokens: jax.Array) -> tuple[jax.Array, jax
 def repeated_ngram_mask(tokens: jax.Array, n: int = 4) -> jax.Array:
     """[B, T] bool: token t completes an n-gram (t-n+1 .. t) that also ends at some s < t.
 
-    The vectorized form of `experiments/chain_misses.py`'s `repeated_ngrams`, the
-    repetition figure of issue 17 (positions t < n - 1 complete no n-gram).
+    Issue 17's repetition figure (`experiments/chain_misses.py`); positions t < n - 1
+    complete no n-gram.
     """
     b, t = tokens.shape
     same = jnp.ones((b, t, t), bool)  # [B, t, s]: the n-grams ending at t and at s are equal

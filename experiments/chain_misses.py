@@ -67,16 +67,11 @@ def replay(block_argmax: np.ndarray, sequence: np.ndarray, start: int, max_new_t
 def repeated_ngrams(sequence, start: int, end: int, n: int = 4) -> np.ndarray:
     """[end - start] bool: whether token t completes an n-gram (t-n+1 .. t) already seen in sequence[:t].
 
-    A continuation that repeats itself is cheap to draft; this says how much of it does.
+    A continuation that repeats itself is cheap to draft; this says how much of it does
+    (`train.repeated_ngram_mask`, the mask the unlikelihood loss trains on).
     """
-    seq = [int(x) for x in sequence[:end]]
-    seen, out = set(), np.zeros(end - start, bool)
-    for t in range(n - 1, end):
-        gram = tuple(seq[t - n + 1 : t + 1])
-        if t >= start:
-            out[t - start] = gram in seen
-        seen.add(gram)
-    return out
+    seq = jnp.asarray(np.asarray(sequence[:end], np.int32))[None]
+    return np.asarray(train.repeated_ngram_mask(seq, n)[0, start:end])
 
 
 def _rate(counts: list[int]) -> float | None:

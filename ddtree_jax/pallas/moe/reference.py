@@ -98,11 +98,14 @@ def _ragged_swiglu(xs, gate, up, down, sizes):
     return jax.lax.ragged_dot(act, down, sizes, preferred_element_type=f32).astype(dtype)
 
 
+def _unsort(ys, order, t: int, k: int):
+    """Pair outputs in `_sort_pairs`' order [T*K, H] -> [T, K, H] in (token, slot) order."""
+    return jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
+
+
 def _combine_sorted(ys, order, w):
     """Pair outputs in sorted order [T*K, H] -> each token's routing-weighted sum [T, H]."""
-    t, k = w.shape
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(t, k, -1)
-    return weighted_sum(w, y)
+    return weighted_sum(w, _unsort(ys, order, *w.shape))
 
 
 def weighted_sum(w, y):
@@ -214,4 +217,4 @@ def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
 
     ys = jax.lax.fori_loop(0, jnp.sum(tiles), one_tile, jnp.zeros_like(xs))
     out = ys.at[row].get(mode="fill", fill_value=0)  # invalid pairs' row is past the end: zeros
-    return jnp.zeros((pairs, h), x.dtype).at[order].set(out).reshape(t, k, h)
+    return _unsort(out, order, t, k)
