@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.data import Tokenizer
+from ddtree_jax import train
+from ddtree_jax.data import Tokenizer, prompt_windows
 from ddtree_jax.drafters import dflash
 from tests.conftest import xla_flags
 
@@ -80,7 +81,11 @@ def test_train_target_exports_int4_experts_and_starts_from_an_export(data_dir, t
     with open(tmp_path / "b" / "target_metrics.json") as f:
         evals = json.load(f)["evals"]
     assert [e["step"] for e in evals] == [2]
-    assert 0 <= evals[0]["val_repeat_4gram"] <= 1 and 0 <= evals[0]["val_repeat_4gram_reference"] <= 1
+    assert 0 <= evals[0]["val_repeat_4gram"] <= 1
+    # The true text's rate: the same two validation windows (12 + 8 tokens, seed 1), its last 8.
+    truth = prompt_windows(np.load(data_dir / "validation.npy"), 2, 20, seed=1)
+    want = float(np.mean(np.asarray(train.repeated_ngram_mask(jnp.asarray(truth)))[:, 12:]))
+    assert evals[0]["val_repeat_4gram_reference"] == pytest.approx(want)
     bad = run_script(
         "train_target.py", *common, *ul, "--ul-gen-len", 0, "--init", out / "target", "--out", tmp_path / "e"
     )
