@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ddtree_jax import weights
+from ddtree_jax import sharding, weights
 from ddtree_jax.cache import KVCache, LatentKV
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import (
@@ -46,8 +46,9 @@ from ddtree_jax.numerics import ROW_TILE, routed_in_pair_tiles, tile_rows
 from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.moe import moe_experts
+from ddtree_jax.pallas.moe.api import moe_pairs
 from ddtree_jax.pallas.moe.api import resolve as resolve_moe
-from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_pairs_in_tiles, weighted_sum
+from ddtree_jax.pallas.moe.reference import moe_experts_reference, weighted_sum
 from ddtree_jax.quant import Int4, QuantizedArray
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
@@ -603,7 +604,7 @@ def _exact_layer(
         x, idx = out
         return x.reshape(b, t, h), c_kv, k_pe, idx
     x, hx, idx, w = out
-    ys = moe_pairs_in_tiles(hx, idx, mlp.gate, mlp.up, mlp.down, ROW_TILE)  # [M, K, H]
+    ys = moe_pairs(hx, idx, mlp.gate, mlp.up, mlp.down, ROW_TILE)  # [M, K, H], expert-parallel on a mesh
 
     def finish(xt, hxt, wt, yt):  # per token: the weighted sum, the shared experts, the residual
         y = weighted_sum(wt, yt)
@@ -751,7 +752,7 @@ def forward(
     if not isinstance(span, int) or span < 1:
         raise ValueError(f"span must be a positive int, got {span!r}")
     keep_hidden = bool(tap_layers)
-    x = params.embed[tokens]
+    x = sharding.embed_rows(params.embed, tokens)
     ld = cfg.num_dense_layers
     c_parts, k_parts, h_parts = [], [], []
     for layers, sl in ((params.dense_layers, slice(0, ld)), (params.moe_layers, slice(ld, None))):

@@ -18,8 +18,9 @@ with the bytes each must read (weights touched + cache), the distinct experts th
 and the fraction of the HBM bandwidth measured by a copy in the same run.
 
 The 8-GPU projection adds, per layer, two all-reduces of [T, 7168] bf16 (attention output, MoE
-output) and two for the embedding and the logits, at an assumed latency (`--allreduce-us`, not
-measured here: no multi-GPU machine was lent) plus bytes over an assumed 450 GB/s (`--link-gbs`);
+output) and two for the embedding and the logits: with `--collectives`, the all-reduce times that
+`experiments/k2_mesh.py` measured on a GPU mesh (bf16 [T, 7168], the nearest measured T at or
+above); else an assumed latency (`--allreduce-us`) plus bytes over an assumed 450 GB/s (`--link-gbs`);
 tokens/s at the shipped pair's tau measured by `python -m ddtree_jax eval` (`--tau-file`). The drafter's share (KIMI_K25_DFLASH with
 8 of 64 query heads, 1 of 8 KV heads, 1/8 of its MLP) is timed the same way.
 """
@@ -76,16 +77,20 @@ def drafter_shard_config(vocab: int) -> dflash.DrafterConfig:
 
 def random_like(abstract, key, std: float = 0.02):
     """Device arrays shaped like `abstract`: uniform int4 values for packed INT4, std * N(0, 1)
-    otherwise (norms and INT4 scales included); one leaf per jit, so the peak is one leaf."""
+    otherwise (norms and INT4 scales included); one leaf per jit, so the peak is one leaf (all
+    leaves in one jit below 1 GiB, where per-leaf compiles would cost more than the draws)."""
     leaves, treedef = jax.tree.flatten(abstract)
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for a, k in zip(leaves, keys, strict=True):
+
+    def draw(k, a):
         if a.dtype == jnp.int4:
-            fn = jax.jit(lambda k, a=a: jax.random.randint(k, a.shape, -8, 8, jnp.int8).astype(jnp.int4))
-        else:
-            fn = jax.jit(lambda k, a=a: (std * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype))
-        out.append(jax.block_until_ready(fn(k)))
+            return jax.random.randint(k, a.shape, -8, 8, jnp.int8).astype(jnp.int4)
+        return (std * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
+
+    if nbytes(leaves) < 2**30:
+        out = jax.jit(lambda ks: [draw(k, a) for k, a in zip(ks, leaves, strict=True)])(keys)
+        return jax.tree.unflatten(treedef, out)
+    out = [jax.block_until_ready(jax.jit(draw, static_argnums=1)(k, a)) for k, a in zip(keys, leaves, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -240,9 +245,30 @@ def drafter_ms(cfg: config.TargetConfig, context: int, reps: int, key) -> float:
     return device_time(fn, (params, cache, embed, unembed, block), reps)[0] * 1e3
 
 
+def measured_allreduce(path: str, hidden: int):
+    """t -> seconds of one bf16 all-reduce of [t, hidden], from a k2_mesh.py result: the time
+    measured at the smallest T >= t (the largest T past the table's end)."""
+    with open(path) as f:
+        rows = json.load(f)["collectives"]
+    table = sorted(
+        (r["shape"][0], r["ms"] * 1e-3)
+        for r in rows
+        if r["op"] == "all-reduce" and r["dtype"] == "bfloat16" and r["shape"][1] == hidden
+    )
+    if not table:
+        raise SystemExit(f"--collectives {path} has no bf16 all-reduce of width {hidden}")
+    return lambda t: next((s for n, s in table if n >= t), table[-1][1])
+
+
 def project(rows, cfg, draft_ms: dict, args) -> list[dict]:
     """8-GPU round time and tokens/s per method from the shard's measured times."""
     lat = args.allreduce_us * 1e-6
+
+    def allreduce_s(t: int) -> float:  # one all-reduce of [t, hidden] bf16
+        if args.measured is None:
+            return lat + t * cfg.hidden_size * 2 * 2 * 7 / 8 / (args.link_gbs * 1e9)
+        return args.measured(t)
+
     out = []
     by = {(r["context"], r["tokens"]): r for r in rows}
     for context in args.contexts:
@@ -255,10 +281,11 @@ def project(rows, cfg, draft_ms: dict, args) -> list[dict]:
             r = by.get((context, t))
             if r is None:
                 continue
-            comm = (2 * cfg.num_hidden_layers + 2) * (lat + t * cfg.hidden_size * 2 * 2 * 7 / 8 / (args.link_gbs * 1e9))
+            comm = (2 * cfg.num_hidden_layers + 2) * allreduce_s(t)
             shared_saving = (cfg.num_hidden_layers - cfg.num_dense_layers) * r["stage_ms"]["shared_expert"] * 7 / 8
             verify = r["verify_ms"] - shared_saving + comm * 1e3
-            draft = 0.0 if method == "ar" else draft_ms[context] + 12 * (lat * 1e3)  # 6 layers x 2 all-reduces
+            # 6 layers x 2 all-reduces of the 16-token block
+            draft = 0.0 if method == "ar" else draft_ms[context] + 12 * allreduce_s(16) * 1e3
             round_ms = verify + draft
             # TP-8 would read 1/8 of the shared expert, which the shard holds whole.
             shared_gb = (cfg.num_hidden_layers - cfg.num_dense_layers) * r["stage_bytes"]["shared_expert"] * 7 / 8 / 1e9
@@ -289,6 +316,10 @@ def main():
     ap.add_argument("--allreduce-us", type=float, default=20.0, help="assumed small-message all-reduce latency")
     ap.add_argument("--link-gbs", type=float, default=450.0, help="assumed per-GPU NVLink bandwidth, GB/s")
     ap.add_argument(
+        "--collectives",
+        help="`experiments/k2_mesh.py --out` JSON: its measured bf16 all-reduce times replace the assumed ones",
+    )
+    ap.add_argument(
         "--tau-file", required=True, help="`python -m ddtree_jax eval --out` JSON with dflash and ddtree rows"
     )
     ap.add_argument(
@@ -313,6 +344,7 @@ def main():
     if missing:
         raise SystemExit(f"--tau-file {args.tau_file} has no tau for {missing}")
     cfg = shard_config(args.layers)
+    args.measured = None if args.collectives is None else measured_allreduce(args.collectives, cfg.hidden_size)
     if args.reproject:
         with open(args.reproject) as f:
             result = json.load(f)

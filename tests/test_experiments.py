@@ -505,3 +505,73 @@ def test_profile_round_names_a_bad_set():
     for item, message in (("foo", "expected MODULE.NAME=VALUE"), ("ddtree_jax.tree.NOPE=1", "has no constant NOPE")):
         proc = run_script("profile_round.py", "--random", "--set", item)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_k2_mesh_runs_the_same_tokens_on_two_devices(tmp_path):
+    """k2_mesh.py on two virtual CPU devices: a slice of TINY split over a (1, 2) mesh gives one
+    device's float32 tokens for AR and DDTree, with the collectives timed and counted."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu")
+    out = tmp_path / "mesh.json"
+    args = ["--base", "tiny", "--of", "2", "--gpus", "2", "--layers", "3", "--dtypes", "float32"]
+    args += ["--methods", "ar", "ddtree", "--budgets", "4", "--max-new-tokens", "6", "--prompt-len", "5"]
+    proc = run_script("k2_mesh.py", *args, "--tokens", "1", "5", "--reps", "1", "--out", out, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["op"], r["shape"][0], r["dtype"]) for r in result["collectives"]] == [
+        ("all-reduce", 1, "bfloat16"),
+        ("all-reduce", 1, "float32"),
+        ("all-reduce", 5, "bfloat16"),
+        ("all-reduce", 5, "float32"),
+        ("all-gather", 3, "float32"),  # the drafter's block of 4 -> 3 rows of logits
+    ]
+    assert [(r["method"], r["budget"]) for r in result["runs"]] == [("ar", None), ("ddtree", 4)]
+    for r in result["runs"]:
+        assert r["first_divergence"] is None and len(r["one"]["tokens"][0]) == 6, r
+        assert r["mesh"]["rounds"] >= 1 and r["mesh"]["ms_per_round"] > 0, r
+        assert r["mesh"]["compiled_collectives"]["all-reduce"]["count"] > 0, r
+        assert "compiled_collectives" not in r["one"], r
+
+
+def test_k2_mesh_slices_and_busiest_gpu_sums():
+    """The 2-of-8 slice of Kimi-K2 holds what two GPUs of TP-8 / EP-8 hold; a sharded call's
+    device time is its busiest GPU's; k2_shard's projection reads measured all-reduces."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from k2_mesh import drafter_slice_config, first_divergence, slice_config
+
+    from ddtree_jax import config
+    from ddtree_jax.pallas.bench_util import busiest_gpu_per_call
+
+    cfg = slice_config(config.KIMI_K2, 2, 8, 4)
+    assert (cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok) == (16, 96, 2)
+    assert (cfg.vocab_size, cfg.intermediate_size, cfg.num_hidden_layers) == (40960, 4608, 4)
+    d = drafter_slice_config("kimi_k2", cfg, 2, 8)
+    assert (d.num_attention_heads, d.num_key_value_heads, d.vocab_size) == (16, 2, 40960)
+    assert max(d.target_layer_ids) < 4
+    with pytest.raises(SystemExit, match="num_attention_heads=4"):
+        slice_config(config.TINY, 1, 8, 2)
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+    # Two calls on two GPUs: GPU 1 is busier in the first call, GPU 0 in the second.
+    events = [(0.0, 1.0, "a", "/device:GPU:0"), (0.0, 3.0, "a", "/device:GPU:1"), (5.0, 1.0, "b", "/device:GPU:0")]
+    events += [(6.0, 4.0, "a", "/device:GPU:0"), (6.0, 2.0, "a", "/device:GPU:1"), (9.0, 1.0, "b", "/device:GPU:0")]
+    assert busiest_gpu_per_call(sorted(events), 2) == [3.0, 5.0]
+    assert busiest_gpu_per_call(events[:5], 2) is None  # GPU 0 ran 3 kernels in 2 calls
+    assert busiest_gpu_per_call([], 2) is None
+
+
+def test_k2_shard_projection_reads_measured_allreduces(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from k2_shard import measured_allreduce
+
+    rows = [
+        {"op": "all-reduce", "shape": [t, 7168], "dtype": dt, "ms": ms}
+        for t, dt, ms in ((1, "bfloat16", 0.01), (1, "float32", 9.0), (17, "bfloat16", 0.02), (33, "bfloat16", 0.04))
+    ]
+    path = tmp_path / "mesh.json"
+    path.write_text(json.dumps({"collectives": rows}))
+    at = measured_allreduce(str(path), 7168)
+    assert [at(t) * 1e3 for t in (1, 2, 17, 33, 65)] == pytest.approx([0.01, 0.02, 0.02, 0.04, 0.04])
+    with pytest.raises(SystemExit, match="no bf16 all-reduce of width 64"):
+        measured_allreduce(str(path), 64)

@@ -179,6 +179,70 @@ PALLAS_SCRIPT = textwrap.dedent(
 )
 
 
+EXACT_SCRIPT = textwrap.dedent(
+    """
+    # Lookups and experts the SPMD partitioner would gather whole run vocabulary- and
+    # expert-parallel by hand, bitwise equal to one device: the embedding (GPU compiles of a
+    # 2-GPU AR step all-gathered it every step) and the "exact" numerics' routed pairs
+    # (every expert all-gathered at every layer), found on two H200s (docs/scaling.md).
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from ddtree_jax import model, sharding
+    from ddtree_jax.generate import generate, lower
+    from ddtree_jax.numerics import routed_in_pair_tiles
+    from ddtree_jax.pallas.moe.api import moe_pairs
+    from ddtree_jax.pallas.moe.reference import moe_pairs_in_tiles
+    from ddtree_jax.quant import Int4
+    from tests.conftest import random_target, tiny
+
+    mesh = sharding.make_mesh(data=1, model=8)
+    rng = np.random.default_rng(5)
+
+    def gathered(fn, *args):  # bytes of each all-gather in the compiled program
+        hlo = jax.jit(fn).lower(*args).compile().as_text()
+        sizes = re.findall(r"= [a-z0-9]+\\[([0-9,]*)\\][^=]* all-gather(?:-start)?\\(", hlo)
+        return [int(np.prod([int(d) for d in s.split(",") if d])) for s in sizes]
+
+    table = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+    placed = jax.device_put(table, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model", None)))
+    ids = jnp.asarray([[0, 7, 8, 63, -1, -64, 64, 1000], [9, 9, 17, 40, 41, 55, 2, 3]], jnp.int32)
+    with sharding.use_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(sharding.embed_rows)(placed, ids))
+        got = jax.jit(sharding.embed_rows)(placed, ids)
+        assert all(n < table.size // 2 for n in gathered(sharding.embed_rows, placed, ids))
+    assert (np.asarray(got) == np.asarray(table[ids])).all()
+
+    x = jnp.asarray(rng.normal(size=(12, 32)), jnp.float32)
+    idx = jnp.asarray(np.argsort(rng.uniform(size=(12, 16)), axis=1)[:, :3], jnp.int32)
+    dense = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in ((16, 32, 24), (16, 32, 24), (16, 24, 32))]
+    int4 = [Int4(group_size=8).quantize(a) for a in dense]
+    for weights in (dense, int4):
+        want = moe_pairs_in_tiles(x, idx, *weights, 8)
+        spec = jax.sharding.PartitionSpec("model")
+        placed = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in weights]
+        fn = lambda x, idx, *w: moe_pairs(x, idx, *w, 8)
+        with sharding.use_mesh(mesh):
+            got = jax.jit(fn)(x, idx, *placed)
+            assert all(n < 16 * 24 * 32 // 8 for n in gathered(fn, x, idx, *placed)), gathered(fn, x, idx, *placed)
+        assert (np.asarray(got) == np.asarray(want)).all()
+
+    # The whole loop in "exact" numerics, on a model whose routed experts run in pair tiles.
+    cfg = tiny(hidden_size=128, moe_intermediate_size=128, n_routed_experts=16, num_experts_per_tok=2, vocab_size=512)
+    assert routed_in_pair_tiles(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, 128)
+    target = model.quantize_experts(random_target(cfg, seed=6), group_size=32)
+    st = sharding.shard_target(target, mesh)
+    prompts = [[5, 17, 33, 2, 9, 300, 511, 7]]
+    kw = dict(max_new_tokens=6, stop_token_ids=())
+    assert generate(st, prompts, **kw).to_lists() == generate(target, prompts, **kw).to_lists()
+    hlo = lower(st, None, prompts, **kw).compile().as_text()
+    sizes = re.findall(r"= [a-z0-9]+\\[([0-9,]*)\\][^=]* all-gather(?:-start)?\\(", hlo)
+    big = [s for s in sizes if np.prod([int(d) for d in s.split(",") if d]) >= 128 * 128]
+    assert not big, big  # an expert's or the embedding's weights: none travel
+    print("SHARDED EXACT OK")
+    """
+)
+
+
 def _run_on_8_devices(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -202,9 +266,9 @@ RUN_EACH = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def sharded_runs():
-    """SCRIPT, then PALLAS_SCRIPT (it patches kernels) in one process: one start of jax on 8
+    """SCRIPT, then PALLAS_SCRIPT (it patches kernels), then EXACT_SCRIPT in one process: one start of jax on 8
     devices and one round of op-by-op compiles instead of two (152 s -> 137 s alone here)."""
-    return _run_on_8_devices(RUN_EACH, SCRIPT, PALLAS_SCRIPT)
+    return _run_on_8_devices(RUN_EACH, SCRIPT, PALLAS_SCRIPT, EXACT_SCRIPT)
 
 
 def _why(proc: subprocess.CompletedProcess, i: int) -> str:
@@ -219,6 +283,10 @@ def test_sharded_generate_equals_single_device(sharded_runs):
 
 def test_sharded_pallas_kernels_run_per_shard_and_match(sharded_runs):
     assert "SHARDED PALLAS OK" in sharded_runs.stdout, _why(sharded_runs, 1)
+
+
+def test_sharded_lookups_and_exact_pairs_gather_no_weights(sharded_runs):
+    assert "SHARDED EXACT OK" in sharded_runs.stdout, _why(sharded_runs, 2)
 
 
 def test_logical_axes_cover_every_weight_of_the_full_size_models():

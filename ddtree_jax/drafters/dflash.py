@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ddtree_jax import hf, weights
+from ddtree_jax import hf, sharding, weights
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import ConfigError, TargetConfig, YarnConfig, parse_rope, read_json, yarn_hf_dict
 from ddtree_jax.layers import (
@@ -662,7 +662,7 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, 
     """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis."""
     cfg = params.config
     eps = cfg.rms_norm_eps
-    x = embed[x_tokens].astype(params.dtype)
+    x = sharding.embed_rows(embed, x_tokens).astype(params.dtype)
     cos, sin = _rope(cfg, positions)
     # Context slot s holds position s: query-minus-key distances for the sliding windows.
     distance = positions[:, :, None] - jnp.arange(layer_kv[0].shape[2], dtype=jnp.int32)

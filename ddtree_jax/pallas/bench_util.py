@@ -2,7 +2,8 @@
 
 `device_time` reads how long the device ran each call from a profiler trace (the
 kernels on the GPU plane's stream lines, summed per call: the device's busy time),
-so host dispatch, Python and launch gaps do not count. Where the trace has no device plane (the CPU
+so host dispatch, Python and launch gaps do not count. A call spread over several
+GPUs (a sharded program) counts the busiest GPU's sum: each GPU runs its share at once. Where the trace has no device plane (the CPU
 backend) it falls back to wall-clock time and says so.
 """
 
@@ -27,9 +28,10 @@ A kernel that only streams weights in can exceed it (the HBM3e spec is 4.8 TB/s)
 "% peak" above 100 means a read-only stream faster than that copy, not an error."""
 
 
-def kernel_events(trace_dir: str) -> tuple[list[tuple[float, float, str]], list[str]]:
-    """(start, duration) seconds and name of every kernel on a GPU stream in the trace in
-    `trace_dir`, by start, and the (plane: line) names seen (to say why, when there are none)."""
+def kernel_events(trace_dir: str) -> tuple[list[tuple[float, float, str, str]], list[str]]:
+    """(start, duration) seconds, name and GPU plane ("/device:GPU:0", ...) of every kernel on
+    a GPU stream in the trace in `trace_dir`, by start, and the (plane: line) names seen (to
+    say why, when there are none)."""
     from jax.profiler import ProfileData
 
     out, seen = [], []
@@ -40,7 +42,7 @@ def kernel_events(trace_dir: str) -> tuple[list[tuple[float, float, str]], list[
                 continue
             for line in plane.lines:
                 if line.name.startswith("Stream"):
-                    out += [(e.start_ns * 1e-9, e.duration_ns * 1e-9, e.name) for e in line.events]
+                    out += [(e.start_ns * 1e-9, e.duration_ns * 1e-9, e.name, plane.name) for e in line.events]
     return sorted(out), seen
 
 
@@ -75,21 +77,35 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
         finally:
             jax.profiler.stop_trace()
         events, seen = kernel_events(trace_dir)
-    if not events or len(events) % reps:
+    sums = busiest_gpu_per_call(events, reps)
+    if sums is None:
         if jax.default_backend() == "gpu":
             print(f"device_time: {len(events)} kernels for {reps} calls; trace lines: {sorted(set(seen))[:20]}")
         return time_call(lambda: fn(*args), reps)[0], "wall"
-    per_call = len(events) // reps
-    sums = [sum(d for _, d, _ in events[i * per_call : (i + 1) * per_call]) for i in range(reps)]
     return statistics.median(sums), "device"
 
 
-def kernel_table(fn, calls: int, top: int, per: float = 1.0) -> dict:
+def busiest_gpu_per_call(events: list[tuple[float, float, str, str]], reps: int) -> list[float] | None:
+    """Per call of `reps` calls in a row, the largest over the GPUs of that GPU's summed kernel
+    seconds (`kernel_events`' events, by start); None when there are no events or a GPU's
+    count is not a multiple of `reps` (the calls cannot be told apart)."""
+    by_gpu = collections.defaultdict(list)
+    for event in events:
+        by_gpu[event[3]].append(event[1])
+    if not events or any(len(d) % reps for d in by_gpu.values()):
+        return None
+    return [
+        max(sum(d[i * (len(d) // reps) : (i + 1) * (len(d) // reps)]) for d in by_gpu.values()) for i in range(reps)
+    ]
+
+
+def kernel_table(fn, calls: int, top: int, per: float = 1.0, gpu: str | None = None) -> dict:
     """The kernels of `calls` calls of fn(), by name, from a profiler trace (GPU traces only).
 
     One untimed call compiles. Figures are per `per` units of work (a call: per = 1; a
     generate call of R rounds: per = R): "kernels" launched and "kernel_ms" summed over
-    every kernel, and the `top` names by time.
+    every kernel, and the `top` names by time. `gpu` ("/device:GPU:1") keeps one GPU's
+    kernels; None sums every GPU's.
     """
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -100,9 +116,10 @@ def kernel_table(fn, calls: int, top: int, per: float = 1.0) -> dict:
         finally:
             jax.profiler.stop_trace()
         events, _ = kernel_events(trace_dir)
+    events = [e for e in events if gpu is None or e[3] == gpu]
     n = calls * per
     totals, counts = collections.Counter(), collections.Counter()
-    for _, duration, name in events:
+    for _, duration, name, _ in events:
         totals[name] += duration
         counts[name] += 1
     return {
