@@ -16,7 +16,7 @@ For each dtype, in one process:
   tau, ms per round, tokens/s, compile seconds; on the GPU, the collectives' kernels of a round
   (NCCL kernels on GPU 0, device time per round) and the compiled loop's collectives (static
   count and bytes, ops in a layer scan counted once);
-- with `--stages`, device time (busiest GPU) at a `--context`-token cache of the T-token verify
+- with `--stages` (first), device time (busiest GPU) at a `--context`-token cache of the T-token verify
   (all layers + logits) and of one MoE layer's stages (attention, router, routed experts,
   shared expert; the dense layer's MLP), on 1 GPU and on N, for each T in `--tokens`;
 - the collectives alone on the mesh (`shard_map`): the all-reduce of [T, hidden] in bf16 and
@@ -269,11 +269,12 @@ def main():
     ap.add_argument("--of", type=int, default=8, help="GPUs of the whole deployment the base would be split over")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    ap.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"], choices=["ar", "dflash", "ddtree"])
+    ap.add_argument("--methods", nargs="*", default=["ar", "dflash", "ddtree"], choices=["ar", "dflash", "ddtree"])
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--collective-reps", type=int, default=20, help="calls timed per collective (median)")
     ap.add_argument("--implementation", default="auto")
     ap.add_argument("--stages", action="store_true", help="also time the verify and one layer's stages")
     ap.add_argument("--stage-dtype", default="bfloat16", help="the dtype whose weights --stages times")
@@ -294,7 +295,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    result["collectives"] = collective_times(mesh, cfg, dcfg, args.tokens, args.reps)
+    result["collectives"] = collective_times(mesh, cfg, dcfg, args.tokens, args.collective_reps)
     for r in result["collectives"]:
         print(json.dumps(r), flush=True)
     save()
@@ -310,6 +311,15 @@ def main():
             f"built and placed in {time.perf_counter() - t0:.0f} s",
             flush=True,
         )
+        if args.stages and dtype_name == args.stage_dtype:
+            for t in args.tokens:
+                row = {"dtype": dtype_name, "context": args.context, "tokens": t}
+                row["one_ms"] = stage_times(target, cfg, args, t, None)
+                with sharding.use_mesh(mesh, sharding.placed_rules(target_s)):
+                    row["mesh_ms"] = stage_times(target_s, cfg, args, t, mesh)
+                result["stages"].append(row)
+                print(json.dumps(row), flush=True)
+                save()
         configs = [(m, None) for m in args.methods if m != "ddtree"]
         configs += [("ddtree", b) for b in args.budgets if "ddtree" in args.methods]
         for method, budget in configs:
@@ -330,15 +340,6 @@ def main():
                     brief[name]["collective_ms"] = row[name]["gpu0_per_round"]["collective_ms"]
             print(json.dumps(brief), flush=True)
             save()
-        if args.stages and dtype_name == args.stage_dtype:
-            for t in args.tokens:
-                row = {"dtype": dtype_name, "context": args.context, "tokens": t}
-                row["one_ms"] = stage_times(target, cfg, args, t, None)
-                with sharding.use_mesh(mesh, sharding.placed_rules(target_s)):
-                    row["mesh_ms"] = stage_times(target_s, cfg, args, t, mesh)
-                result["stages"].append(row)
-                print(json.dumps(row), flush=True)
-                save()
         del target, drafter, target_s, drafter_s
         gc.collect()
     bad = [

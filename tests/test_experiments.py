@@ -514,7 +514,9 @@ def test_k2_mesh_runs_the_same_tokens_on_two_devices(tmp_path):
     out = tmp_path / "mesh.json"
     args = ["--base", "tiny", "--of", "2", "--gpus", "2", "--layers", "3", "--dtypes", "float32"]
     args += ["--methods", "ar", "ddtree", "--budgets", "4", "--max-new-tokens", "6", "--prompt-len", "5"]
-    proc = run_script("k2_mesh.py", *args, "--tokens", "1", "5", "--reps", "1", "--out", out, env=env)
+    proc = run_script(
+        "k2_mesh.py", *args, "--tokens", "1", "5", "--reps", "1", "--collective-reps", "2", "--out", out, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [(r["op"], r["shape"][0], r["dtype"]) for r in result["collectives"]] == [
