@@ -21,7 +21,9 @@ For each dtype, in one process:
   shared expert; the dense layer's MLP), on 1 GPU and on N, for each T in `--tokens`;
 - the collectives alone on the mesh (`shard_map`): the all-reduce of [T, hidden] in bf16 and
   float32 (what attention's output projection and the expert-parallel MoE add over the mesh)
-  and the all-gather of the drafter's [block - 1, vocab] float32 logits over the vocabulary split.
+  the all-gather of the drafter's [block - 1, vocab] float32 logits over the vocabulary split, and
+  the all-to-all of attention's [N, T, heads, latent] float32 queries from the head split to the
+  sequence split (what a batch of N sequences, one a GPU, does each way at every layer).
 
 Random weights route near ties, so bf16 tokens may part between the two placements (different
 reduction orders); the float32 run is the exactness check.
@@ -259,6 +261,23 @@ def collective_times(mesh, cfg, dcfg, tokens, reps) -> list[dict]:
     rows.append(
         {"op": "all-gather", "shape": list(shape), "dtype": "float32", "ms": 1e3 * device_time(gather, (x,), reps)[0]}
     )
+    # At a batch the mesh divides, attention moves each sequence's latent queries from the head
+    # split to the sequence split and its outputs back: one all-to-all each way per layer.
+    n = mesh.shape[axis]
+    to_rows = jax.jit(
+        jax.shard_map(
+            lambda q: jax.lax.all_to_all(q, axis, 0, 2, tiled=True),
+            mesh=mesh,
+            in_specs=P(None, None, axis, None),
+            out_specs=P(axis, None, None, None),
+            check_vma=False,
+        )
+    )
+    for t in tokens:
+        shape = (n, t, cfg.num_attention_heads, cfg.kv_lora_rank)
+        q = jax.device_put(jnp.ones(shape, jnp.float32), NamedSharding(mesh, P(None, None, axis, None)))
+        ms = 1e3 * device_time(to_rows, (q,), reps)[0]
+        rows.append({"op": "all-to-all", "shape": list(shape), "dtype": "float32", "ms": ms})
     return rows
 
 

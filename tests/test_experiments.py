@@ -525,7 +525,10 @@ def test_k2_mesh_runs_the_same_tokens_on_two_devices(tmp_path):
         ("all-reduce", 5, "bfloat16"),
         ("all-reduce", 5, "float32"),
         ("all-gather", 3, "float32"),  # the drafter's block of 4 -> 3 rows of logits
+        ("all-to-all", 2, "float32"),  # [2 sequences, T, heads, latent]
+        ("all-to-all", 2, "float32"),
     ]
+    assert [r["shape"] for r in result["collectives"][-2:]] == [[2, 1, 4, 32], [2, 5, 4, 32]]
     assert [(r["method"], r["budget"]) for r in result["runs"]] == [("ar", None), ("ddtree", 4)]
     for r in result["runs"]:
         assert r["first_divergence"] is None and len(r["one"]["tokens"][0]) == 6, r
