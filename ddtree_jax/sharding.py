@@ -221,8 +221,9 @@ def embed_rows(table: jax.Array, ids: jax.Array) -> jax.Array:  # [V, H], [...] 
     """`table[ids]`, vocabulary-parallel under a mesh context whose rules split "vocab".
 
     Each device looks up the ids that fall in its rows (zeros for the rest) and a sum over
-    the axis adds them: one nonzero term per id, so the rows are bitwise `table[ids]`
-    (negative ids wrap and others clamp, as jnp indexing does). Left to GSPMD, the GPU
+    the axis adds them: one nonzero term per id, so the rows are `table[ids]` exactly
+    (a -0.0 entry comes back 0.0: the sum starts from 0.0), negative ids wrapping and
+    others clamping as jnp indexing does. Left to GSPMD, the GPU
     compile of a 2-GPU AR step all-gathered the whole table (587 MB) every step
     (docs/scaling.md).
     """

@@ -3,8 +3,9 @@
 `device_time` reads how long the device ran each call from a profiler trace (the
 kernels on the GPU plane's stream lines, summed per call: the device's busy time),
 so host dispatch, Python and launch gaps do not count. A call spread over several
-GPUs (a sharded program) counts the busiest GPU's sum: each GPU runs its share at once. Where the trace has no device plane (the CPU
-backend) it falls back to wall-clock time and says so.
+GPUs (a sharded program) counts the busiest GPU's sum: the GPUs run their shares at
+once. Where the trace has no device plane (the CPU backend) it falls back to
+wall-clock time and says so.
 """
 
 from __future__ import annotations
