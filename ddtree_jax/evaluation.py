@@ -2,8 +2,8 @@
 
 Prompt sets (`prompt_set`, `validation_windows`), padding prompts into buckets of
 one width each (`bucket`), timing a call after its compile (`time_call`,
-`Compiled`), and totals over many generate calls (`Totals`: tau, tokens/s, the
-acceptance histogram).
+`Compiled`), totals over many generate calls (`Totals`: tau, tokens/s, the
+acceptance histogram), and where two token lists part (`first_difference`).
 """
 
 from __future__ import annotations
@@ -75,6 +75,15 @@ def bucket(prompts: Sequence[Sequence[int]], width: int, one_call: bool = False)
             ids[i, : len(p)] = p
         out.append((ids, np.asarray([len(p) for p in rows], np.int32)))
     return out
+
+
+def first_difference(want: Sequence[int], got: Sequence[int]) -> int | None:
+    """The first index where two equally long token lists differ; None where they are equal.
+
+    Raises:
+      ValueError: the lists' lengths differ.
+    """
+    return next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
 
 
 def time_call(fn: Callable[[], object], repeats: int = 1, warmup: int = 1) -> tuple[float, object]:

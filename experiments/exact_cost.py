@@ -32,6 +32,7 @@ import numpy as np
 
 from ddtree_jax import compile_cache, decode, model, tree
 from ddtree_jax.cache import KVCache
+from ddtree_jax.evaluation import first_difference
 from ddtree_jax.generate import CACHE_ALIGN, generate
 from ddtree_jax.shipped import load_shipped
 from experiments.profile_round import in_loop
@@ -108,10 +109,6 @@ def logits_check(target, ids: list[int], numerics: str) -> dict:
         "row 1 of a padded batch": batched,
     }
     return {name: int((g != want).sum()) for name, g in got.items()}
-
-
-def first_difference(want: list[int], got: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
 
 
 def check(shipped, numerics: str, new_tokens: int) -> dict:

@@ -18,7 +18,7 @@ For each dtype, in one process:
   count and bytes, ops in a layer scan counted once);
 - with `--stages` (first), device time (busiest GPU) at a `--context`-token cache of the T-token verify
   (all layers + logits) and of one MoE layer's stages (attention, router, routed experts,
-  shared expert; the dense layer's MLP), on 1 GPU and on N, for each T in `--tokens`;
+  shared expert, norms; the dense layer's MLP: `k2_shard.layer_stages`), on 1 GPU and on N, for each T in `--tokens`;
 - the collectives alone on the mesh (`shard_map`): the all-reduce of [T, hidden] in bf16 and
   float32 (what attention's output projection and the expert-parallel MoE add over the mesh)
   the all-gather of the drafter's [block - 1, vocab] float32 logits over the vocabulary split, and
@@ -44,16 +44,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from k2_memory_plan import collectives  # experiments/ is on sys.path when a script in it runs
-from k2_shard import layer_slice, random_like
+from k2_shard import layer_slice, layer_stages, random_like, spread_router
 
 from ddtree_jax import compile_cache, config, model, sharding
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import dflash
-from ddtree_jax.evaluation import time_call
+from ddtree_jax.evaluation import first_difference, time_call
 from ddtree_jax.generate import generate, lower
-from ddtree_jax.layers import rope_tables, swiglu
 from ddtree_jax.pallas.bench_util import device_time, kernel_table
-from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.quant import nbytes
 
 DRAFTERS = {"kimi_k2": dflash.KIMI_K25_DFLASH}
@@ -103,26 +101,9 @@ def drafter_slice_config(base: str, cfg: config.TargetConfig, gpus: int, of: int
 def build(cfg, dcfg, dtype, key):
     """Random target and drafter weights on the default device; the router unit-scale with a
     zero bias, so tokens spread over the experts."""
-    target = random_like(model.abstract_params(cfg, dtype), key)
-    mlp = target.moe_layers.mlp
-    target = target.replace(
-        moe_layers=target.moe_layers.replace(
-            mlp=mlp.replace(
-                router=jax.random.normal(key, mlp.router.shape, jnp.float32),
-                router_bias=jnp.zeros_like(mlp.router_bias),
-            )
-        )
-    )
+    target = spread_router(random_like(model.abstract_params(cfg, dtype), key), key)
     drafter = random_like(dflash.abstract_params(dcfg, dtype), jax.random.fold_in(key, 1))
     return target, drafter
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (the shorter's length if one is a prefix); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 COLLECTIVE_NAMES = (
@@ -211,29 +192,11 @@ def stage_times(params, cfg, args, t: int, mesh) -> dict:
         return model.logits(params, out.hidden, numerics="fast")
 
     x = place(jax.random.normal(key, (1, t, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16))
-    flat = x.reshape(t, cfg.hidden_size)
-    moe0 = layer_slice(params.moe_layers)
-    cos, sin = rope_tables(cfg, positions)
-    ckv, kpe = cache.c_kv[1], cache.k_pe[1]
-    lengths = cache.lengths
+    moe0, dense0 = layer_slice(params.moe_layers), layer_slice(params.dense_layers)
     stages = {
         "verify": (verify, (params, cache, tokens)),
-        "attention": (
-            jax.jit(lambda a, x, ckv, kpe: model.mla(cfg, a, x, cos, sin, ckv, kpe, lengths, mask, impl)[0]),
-            (moe0.attn, x, ckv, kpe),
-        ),
-        "router": (jax.jit(lambda m, f: model.route(cfg, f, m.router, m.router_bias)), (moe0.mlp, flat)),
-        "shared_expert": (jax.jit(lambda s, f: swiglu(f, s.gate, s.up, s.down)), (moe0.mlp.shared, flat)),
-        "dense_mlp": (
-            jax.jit(lambda m, f: swiglu(f, m.gate, m.up, m.down)),
-            (layer_slice(params.dense_layers).mlp, flat),
-        ),
+        **layer_stages(cfg, moe0, dense0, cache, x, positions, mask, impl),
     }
-    idx, w = jax.jit(lambda m, f: model.route(cfg, f, m.router, m.router_bias))(moe0.mlp, flat)
-    stages["routed_experts"] = (
-        jax.jit(lambda m, f, i, w: moe_experts(f, i, w, m.gate, m.up, m.down, implementation=impl)),
-        (moe0.mlp, flat, idx, w),
-    )
     return {name: 1e3 * device_time(fn, a, args.reps)[0] for name, (fn, a) in stages.items()}
 
 
@@ -350,7 +313,7 @@ def main():
                     traceback.print_exc()
                     row[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             if "tokens" in row["one"] and "tokens" in row["mesh"]:
-                row["first_divergence"] = first_divergence(row["one"]["tokens"][0], row["mesh"]["tokens"][0])
+                row["first_divergence"] = first_difference(row["one"]["tokens"][0], row["mesh"]["tokens"][0])
             result["runs"].append(row)
             brief = {k: v for k, v in row.items() if k not in ("one", "mesh")}
             for name in ("one", "mesh"):

@@ -103,6 +103,41 @@ def expert_bytes(p) -> float:
     return sum(nbytes(q) / q.packed.shape[0] for q in (p.gate, p.up, p.down))
 
 
+def spread_router(params, key):
+    """`params` with a unit-scale router and a zero correction bias: random weights at the init's
+    scale would route every token to the same few experts."""
+    mlp = params.moe_layers.mlp
+    router = jax.random.normal(key, mlp.router.shape, jnp.float32)
+    mlp = mlp.replace(router=router, router_bias=jnp.zeros_like(mlp.router_bias))
+    return params.replace(moe_layers=params.moe_layers.replace(mlp=mlp))
+
+
+def layer_stages(cfg, moe0, dense0, cache, x, positions, mask, implementation: str) -> dict:
+    """The stages of one MoE layer (`moe0`, the first of the stack) and the dense layer's MLP
+    (`dense0`), each jitted alone, with its operands: name -> (fn, args). x [1, T, H] bf16; the
+    attention reads the cache's first MoE layer (index 1)."""
+    t, h = x.shape[1:]
+    flat = x.reshape(t, h)
+    cos, sin = rope_tables(cfg, positions)
+    lengths = cache.lengths
+    route = jax.jit(lambda m, f: model.route(cfg, f, m.router, m.router_bias))
+    idx, w = route(moe0.mlp, flat)
+    return {
+        "attention": (
+            jax.jit(lambda a, x, ckv, kpe: model.mla(cfg, a, x, cos, sin, ckv, kpe, lengths, mask, implementation)[0]),
+            (moe0.attn, x, cache.c_kv[1], cache.k_pe[1]),
+        ),
+        "router": (route, (moe0.mlp, flat)),
+        "shared_expert": (jax.jit(lambda s, f: swiglu(f, s.gate, s.up, s.down)), (moe0.mlp.shared, flat)),
+        "dense_mlp": (jax.jit(lambda m, f: swiglu(f, m.gate, m.up, m.down)), (dense0.mlp, flat)),
+        "norms": (jax.jit(lambda w, x: rms_norm(rms_norm(x, w, 1e-6), w, 1e-6)), (moe0.attn_norm, x)),
+        "routed_experts": (
+            jax.jit(lambda m, f, i, w: moe_experts(f, i, w, m.gate, m.up, m.down, implementation=implementation)),
+            (moe0.mlp, flat, idx, w),
+        ),
+    }
+
+
 PARITY_TOL = 5e-2
 """A row of logits disagrees when it differs from the XLA path's by more than this times the
 largest XLA logit (bf16 roundings differ by ~1e-2 of it on this shard)."""
@@ -159,35 +194,8 @@ def measure(
         check = parity(np.asarray(got, np.float32)[0], np.asarray(want, np.float32)[0], counts, np.asarray(want_counts))
 
     x = jax.random.normal(key, (1, t, h), jnp.float32).astype(jnp.bfloat16)
-    flat = x.reshape(t, h)
-    moe0 = layer_slice(params.moe_layers)
-    cos, sin = rope_tables(cfg, positions)
-    ckv, kpe = cache.c_kv[1], cache.k_pe[1]
-
-    stages = {
-        "attention": (
-            jax.jit(
-                lambda a, x, ckv, kpe: model.mla(cfg, a, x, cos, sin, ckv, kpe, cache.lengths, mask, implementation)[0]
-            ),
-            (moe0.attn, x, ckv, kpe),
-        ),
-        "router": (jax.jit(lambda m, f: model.route(cfg, f, m.router, m.router_bias)), (moe0.mlp, flat)),
-        "shared_expert": (
-            jax.jit(lambda s, f: swiglu(f, s.gate, s.up, s.down)),
-            (moe0.mlp.shared, flat),
-        ),
-        "dense_mlp": (
-            jax.jit(lambda m, f: swiglu(f, m.gate, m.up, m.down)),
-            (layer_slice(params.dense_layers).mlp, flat),
-        ),
-        "norms": (jax.jit(lambda w, x: rms_norm(rms_norm(x, w, 1e-6), w, 1e-6)), (moe0.attn_norm, x)),
-    }
-    route, route_args = stages["router"]
-    idx, w = route(*route_args)
-    stages["routed_experts"] = (
-        jax.jit(lambda m, f, idx, w: moe_experts(f, idx, w, m.gate, m.up, m.down, implementation=implementation)),
-        (moe0.mlp, flat, idx, w),
-    )
+    moe0, dense0 = layer_slice(params.moe_layers), layer_slice(params.dense_layers)
+    stages = layer_stages(cfg, moe0, dense0, cache, x, positions, mask, implementation)
     times = {name: device_time(fn, args, reps)[0] for name, (fn, args) in stages.items()}
 
     per_expert = expert_bytes(moe0.mlp)
@@ -198,7 +206,7 @@ def measure(
         "attention": attn_w + cache_bytes,
         "router": nbytes(moe0.mlp.router),
         "shared_expert": nbytes(moe0.mlp.shared),
-        "dense_mlp": nbytes(layer_slice(params.dense_layers).mlp),
+        "dense_mlp": nbytes(dense0.mlp),
         "routed_experts": float(touched.mean()) * per_expert,
     }
     must_read = (
@@ -356,15 +364,8 @@ def main():
         return
     key = jax.random.PRNGKey(0)
     t0 = time.time()
-    params = random_like(model.abstract_params(cfg, jnp.bfloat16), key)
-    # Routing must spread tokens over the 48 local experts: a zero bias, a unit-scale router.
-    mlp = params.moe_layers.mlp
-    router = jax.random.normal(key, mlp.router.shape, jnp.float32)
-    params = params.replace(
-        moe_layers=params.moe_layers.replace(
-            mlp=mlp.replace(router=router, router_bias=jnp.zeros_like(mlp.router_bias))
-        )
-    )
+    # Routing must spread tokens over the 48 local experts.
+    params = spread_router(random_like(model.abstract_params(cfg, jnp.bfloat16), key), key)
     assert isinstance(params.moe_layers.mlp.gate, QuantizedArray)
     result = {"args": vars(args), "weights_gb": nbytes(params) / 1e9, "build_s": time.time() - t0}
     print(f"shard weights {result['weights_gb']:.1f} GB, built in {result['build_s']:.0f} s", flush=True)

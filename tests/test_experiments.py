@@ -515,6 +515,7 @@ def test_k2_mesh_runs_the_same_tokens_on_two_devices(tmp_path):
     args = ["--base", "tiny", "--of", "2", "--gpus", "2", "--layers", "3", "--dtypes", "float32"]
     # DDTree alone: the 8-device sharding test compares AR and DDTree across meshes already.
     args += ["--methods", "ddtree", "--budgets", "4", "--max-new-tokens", "6", "--prompt-len", "5"]
+    args += ["--stages", "--stage-dtype", "float32", "--context", "64"]
     proc = run_script(
         "k2_mesh.py", *args, "--tokens", "1", "5", "--reps", "1", "--collective-reps", "2", "--out", out, env=env
     )
@@ -531,6 +532,9 @@ def test_k2_mesh_runs_the_same_tokens_on_two_devices(tmp_path):
     ]
     assert [r["shape"] for r in result["collectives"][-2:]] == [[2, 1, 4, 32], [2, 5, 4, 32]]
     assert [(r["method"], r["budget"]) for r in result["runs"]] == [("ddtree", 4)]
+    stages = {"verify", "attention", "router", "shared_expert", "dense_mlp", "norms", "routed_experts"}
+    assert [r["tokens"] for r in result["stages"]] == [1, 5]
+    assert all(set(r["one_ms"]) == set(r["mesh_ms"]) == stages for r in result["stages"]), result["stages"]
     for r in result["runs"]:
         assert r["first_divergence"] is None and len(r["one"]["tokens"][0]) == 6, r
         assert r["mesh"]["rounds"] >= 1 and r["mesh"]["ms_per_round"] > 0, r
@@ -542,9 +546,10 @@ def test_k2_mesh_slices_and_busiest_gpu_sums():
     """The 2-of-8 slice of Kimi-K2 holds what two GPUs of TP-8 / EP-8 hold; a sharded call's
     device time is its busiest GPU's; k2_shard's projection reads measured all-reduces."""
     sys.path.insert(0, os.path.join(REPO, "experiments"))
-    from k2_mesh import drafter_slice_config, first_divergence, slice_config
+    from k2_mesh import drafter_slice_config, slice_config
 
     from ddtree_jax import config
+    from ddtree_jax.evaluation import first_difference
     from ddtree_jax.pallas.bench_util import busiest_gpu_per_call
 
     cfg = slice_config(config.KIMI_K2, 2, 8, 4)
@@ -555,9 +560,10 @@ def test_k2_mesh_slices_and_busiest_gpu_sums():
     assert max(d.target_layer_ids) < 4
     with pytest.raises(SystemExit, match="num_attention_heads=4"):
         slice_config(config.TINY, 1, 8, 2)
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None  # what k2_mesh reports as the divergence point
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    with pytest.raises(ValueError):  # equal lengths only: both placements generate max_new_tokens
+        first_difference([1, 2], [1, 2, 3])
 
     # Two calls on two GPUs: GPU 1 is busier in the first call, GPU 0 in the second.
     events = [(0.0, 1.0, "a", "/device:GPU:0"), (0.0, 3.0, "a", "/device:GPU:1"), (5.0, 1.0, "b", "/device:GPU:0")]

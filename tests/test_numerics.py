@@ -21,6 +21,7 @@ import pytest
 from ddtree_jax import decode, model, numerics, tree
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import OracleDrafter, dflash
+from ddtree_jax.evaluation import first_difference
 from ddtree_jax.generate import generate
 from ddtree_jax.pallas.mla_attention import mla_attention
 from tests.conftest import random_target, tiny
@@ -242,10 +243,6 @@ PROMPTS = [list(range(3, 40)), [250, 7, 7, 9], list(np.random.default_rng(5).int
 NEW = 64
 
 
-def _first_difference(want, got):
-    return next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
-
-
 def test_greedy_tokens_are_bitwise_equal_across_capacity_method_and_batch(target):
     """PROMPTS[0]'s greedy tokens under every layout that must not matter (default capacity: 128)."""
     dcfg = dflash.drafter_config_for(target.config, num_hidden_layers=1, block_size=8)
@@ -272,12 +269,12 @@ def test_greedy_tokens_are_bitwise_equal_across_capacity_method_and_batch(target
     want = tokens("ar", "exact")
     assert len(want) == NEW
     for name in runs:
-        first = _first_difference(want, tokens(name, "exact"))
+        first = first_difference(want, tokens(name, "exact"))
         assert first is None, f"{name} departs from AR at new token {first}"
     # Teeth: the same comparisons split under "fast" (capacity, method, batch).
     fast = tokens("ar", "fast")
     for name in ("ar batched, capacity +15", "ddtree batched"):
-        assert _first_difference(fast, tokens(name, "fast")) is not None, f"{name} should differ under fast"
+        assert first_difference(fast, tokens(name, "fast")) is not None, f"{name} should differ under fast"
 
 
 def test_exact_is_the_float32_default_and_bf16_runs_fast(target):
@@ -333,5 +330,5 @@ def test_shipped_pair_float32_is_bitwise_exact_for_512_tokens():
         shipped.target, shipped.drafter, [other, prompt], method="ddtree", cache_capacity=873, **kw
     ).to_lists()[1]
     assert len(want) == 512
-    first = _first_difference(want, tree)
+    first = first_difference(want, tree)
     assert first is None, f"batched DDTree at capacity 873 departs from AR at new token {first}"
