@@ -133,6 +133,24 @@ def test_mosaic_shapes_and_tiles_are_checked():
         MosaicMLATiles(num_splits=0)
 
 
+def test_num_splits_ends_the_waves_soonest():
+    """Splits chosen against one program per SM: never a small second wave (measured on an
+    H200: 17 query tiles in 8 splits = 136 programs took 0.32 ms, in 15 splits 0.20 ms;
+    docs/results/s27/mla_splits_h200.json)."""
+    from ddtree_jax.pallas.mla_attention.mosaic import num_splits
+
+    assert num_splits(1, 1, 512, sms=132) == 128  # AR at 32K: 4 blocks a split, one wave
+    assert num_splits(8, 1, 512, sms=132) == 16  # batch 8: 128 programs, not 17 x 8 = 136
+    assert num_splits(1, 65, 512, sms=132) == 2  # a 65-token tree: 130 programs, not 195
+    assert num_splits(1, 17, 512, sms=132) == 15  # two full waves of 35 blocks, not 2 x 64
+    assert num_splits(1, 129, 512, sms=132) == 1
+    assert num_splits(1, 600, 512, sms=132) == 1  # past two waves: no split
+    assert num_splits(1, 1, 3, sms=132) == 3  # never more splits than blocks
+    for programs, blocks in ((1, 1), (3, 64), (40, 2048), (132, 512), (7, 100)):
+        ns = num_splits(1, programs, blocks, sms=132)
+        assert 1 <= ns <= blocks
+
+
 def test_generate_with_the_mosaic_kernels():
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
     interpret mode give the XLA path's tokens."""

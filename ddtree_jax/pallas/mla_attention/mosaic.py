@@ -19,8 +19,8 @@ The cache part runs in one `plgpu.kernel` on a grid (B, Q / BQ, NS) of three war
 Each program writes its normalized partial output (in the cache's dtype, through the
 query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
 The new tokens (T keys under the tree or causal mask) form one more partial computed
-in XLA; `_merge` combines all by log-sum-exp. Splits are sized so the grid is about one
-wave of the GPU (`num_splits`). Slots at or past cache_len[b] are masked; whole tiles
+in XLA; `_merge` combines all by log-sum-exp. Splits are sized so that the grid's waves
+over the SMs end soonest (`num_splits`). Slots at or past cache_len[b] are masked; whole tiles
 past it are never loaded.
 
 The scores are computed by both compute warpgroups (the QK^T half of the FLOPs twice):
@@ -76,10 +76,28 @@ class MosaicMLATiles:
             raise ValueError(f"MosaicMLATiles.num_splits must be None or a positive int, got {self.num_splits!r}")
 
 
-def num_splits(batch: int, query_tiles: int, cache_blocks: int) -> int:
-    """Splits so that batch * query_tiles * splits is about one program per SM, at most one per block."""
-    sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
-    return max(1, min(cache_blocks, -(-sms // (batch * query_tiles))))
+PROGRAM_OVERHEAD_BLOCKS = 2
+"""A program's fixed work in cache blocks of its split's stream: the query tile's load
+(R + P wide, as a block of the cache) and the partial output's store (R wide)."""
+
+
+def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None = None) -> int:
+    """Cache splits that finish the grid soonest: the fewest that minimize waves x (blocks a
+    split + `PROGRAM_OVERHEAD_BLOCKS`), waves = batch * query_tiles * splits over the SMs,
+    rounded up, at most two waves when splitting.
+
+    One program runs per SM (its shared memory takes the SM), so a grid of 136 programs on 132
+    SMs takes two rounds of the whole split: 17 tree tokens x 64 heads (17 query tiles) run 7
+    splits (119 programs), not the 8 that filling the SMs would give.
+    """
+    sms = sms or getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    programs = batch * query_tiles
+    most = max(1, min(cache_blocks, -(-2 * sms // programs)))
+
+    def rounds(ns):
+        return -(-programs * ns // sms) * (-(-cache_blocks // ns) + PROGRAM_OVERHEAD_BLOCKS)
+
+    return min(range(1, most + 1), key=lambda ns: (rounds(ns), ns))
 
 
 def _swizzled(minor: int, dtype):
