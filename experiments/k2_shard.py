@@ -75,11 +75,13 @@ def drafter_shard_config(vocab: int) -> dflash.DrafterConfig:
     )
 
 
-def random_like(abstract, key, std: float = 0.02):
-    """Device arrays shaped like `abstract`: uniform int4 values for packed INT4, std * N(0, 1)
-    otherwise (norms and INT4 scales included); one leaf per jit, so the peak is one leaf (all
-    leaves in one jit below 1 GiB, where per-leaf compiles would cost more than the draws)."""
+def random_like(abstract, key, std: float = 0.02, one_jit_below: int = 2**30):
+    """Device arrays shaped like `abstract` (arrays or shape structs): uniform int4 values for
+    packed INT4, std * N(0, 1) otherwise (norms and INT4 scales included); one leaf per jit, so
+    the peak is one leaf (all leaves in one jit below `one_jit_below` bytes, where per-leaf
+    compiles would cost more than the draws)."""
     leaves, treedef = jax.tree.flatten(abstract)
+    leaves = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]  # hashable: a static argument
     keys = jax.random.split(key, len(leaves))
 
     def draw(k, a):
@@ -87,7 +89,7 @@ def random_like(abstract, key, std: float = 0.02):
             return jax.random.randint(k, a.shape, -8, 8, jnp.int8).astype(jnp.int4)
         return (std * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)
 
-    if nbytes(leaves) < 2**30:
+    if nbytes(leaves) < one_jit_below:
         out = jax.jit(lambda ks: [draw(k, a) for k, a in zip(ks, leaves, strict=True)])(keys)
         return jax.tree.unflatten(treedef, out)
     out = [jax.block_until_ready(jax.jit(draw, static_argnums=1)(k, a)) for k, a in zip(keys, leaves, strict=True)]

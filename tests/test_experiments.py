@@ -573,6 +573,20 @@ def test_k2_mesh_slices_and_busiest_gpu_sums():
     assert busiest_gpu_per_call([], 2) is None
 
 
+def test_k2_shard_random_like_takes_arrays_leaf_by_leaf():
+    """random_like on concrete arrays (a cache to refill) through the one-jit-a-leaf path that
+    leaves past 1 GiB take: shapes, dtypes and the int4 range kept."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from k2_shard import random_like
+
+    tree = {"c": jnp.zeros((3, 4), jnp.bfloat16), "q": jnp.zeros((8,), jnp.int4)}
+    for one_jit_below in (0, 2**30):
+        out = random_like(tree, np.uint32([0, 0]), std=1.0, one_jit_below=one_jit_below)
+        assert out["c"].shape == (3, 4) and out["c"].dtype == jnp.bfloat16 and float(jnp.std(out["c"])) > 0.3
+        q = out["q"].astype(jnp.int8)
+        assert out["q"].dtype == jnp.int4 and int(q.min()) >= -8 and int(q.max()) <= 7
+
+
 def test_k2_shard_projection_reads_measured_allreduces(tmp_path):
     sys.path.insert(0, os.path.join(REPO, "experiments"))
     from k2_shard import measured_allreduce
