@@ -55,7 +55,7 @@ def test_mla_kernel_on_named_shapes(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "mosaic", "mosaic-ws1", "w4a16", "w4a16-ws1"])
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "mosaic-ws1", "w4a16", "w4a16-ws1", "w4a16-ws2"])
 @pytest.mark.parametrize("name", list(MOE_SHAPES))
 def test_moe_kernel_on_named_shapes(name, impl):
     if impl != "pallas" and not ON_GPU:
@@ -72,6 +72,7 @@ def test_moe_kernel_on_named_shapes(name, impl):
         "mosaic-ws1": functools.partial(moe_experts_mosaic, tiles=MosaicMoETiles(consumers=1)),
         "w4a16": moe_experts_w4a16,
         "w4a16-ws1": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=1)),
+        "w4a16-ws2": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=2)),
     }.get(impl, functools.partial(moe_experts_pallas, interpret=not ON_GPU))
     got = jax.jit(kernel)(*args).astype(jnp.float32)
     want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if int4 else moe_experts_reference(*_f32(args))

@@ -30,8 +30,8 @@ Two schedules of a program (`MosaicMoETiles.consumers`):
   it are done. The pipeline's barriers hand slots over: a "produced" barrier per slot
   (the TMA's bytes arrived) and a "consumed" one (every consumer is done with it). The
   producer keeps 40 registers a thread and leaves the rest to the consumers (232 each at
-  C = 2). Compiled, C = 2 is refused (`refuse_two_consumers`: it failed on an H200,
-  intermittently).
+  C = 2). Compiled, C = 2 is refused (`refuse_two_consumers`: it crashed once on an H200,
+  not reproduced since).
 
 Shared memory per program with BN = 128, BK = 64 (bf16), as Mosaic counts it lowering for
 sm_90: a slot of gate / up holds BM x BK + 2 x BK x BN elements (40 KiB at BM = 64, 48 KiB
@@ -80,13 +80,17 @@ class MosaicMoETiles:
       consumers: 0 runs a program in one warpgroup (loads and wgmma in turn); 1 or 2
         warp-specialize it: a producer warpgroup for the loads and that many consumer
         warpgroups, 64 rows of the program's row block each (see the module docstring).
-        Compiled, `moe_experts_mosaic` refuses 2: it crashed intermittently on an H200.
+        Compiled, `moe_experts_mosaic` refuses 2: it crashed once on an H200.
+      release_delay: warp specialized, the steps a consumer keeps its wgmmas in flight before
+        it releases their slot: 1 (the default) overlaps a step's wgmmas with the next step's
+        wait; 0 waits for them before the release (with one stage there is nothing to overlap).
     """
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     consumers: int = 0
+    release_delay: int = 1
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -97,6 +101,8 @@ class MosaicMoETiles:
             raise ValueError(f"MosaicMoETiles.stages must be >= 1, got {self.stages}")
         if self.consumers not in (0, 1, 2):
             raise ValueError(f"MosaicMoETiles.consumers must be 0, 1 or 2, got {self.consumers}")
+        if self.release_delay not in (0, 1):
+            raise ValueError(f"MosaicMoETiles.release_delay must be 0 or 1, got {self.release_delay}")
 
     @property
     def block_m(self) -> int:
@@ -208,7 +214,7 @@ def _grouped_matmul_ws(body_out, n_out: int, x: jax.Array, weights: tuple, block
     bm = tiles.block_m
     # A slot is released one step late, so that the wgmmas which read it may still run; with
     # one slot there is nothing to overlap.
-    delay = min(1, tiles.stages - 1)
+    delay = min(tiles.release_delay, tiles.stages - 1)
 
     def body(expert_gmem, *refs):
         layer_gmem, x_gmem, w_gmem, out_gmem = _body_refs(layer, refs)
@@ -276,20 +282,18 @@ def _swiglu(g, u):
 def refuse_two_consumers(kernel: str, tiles, interpret) -> None:
     """Raises ValueError for a compiled warp-specialized schedule of two consumer warpgroups.
 
-    Both MoE kernels failed that way on an H200 (2026-12-03), intermittently, with the same
-    tiles passing at other times: the bf16 kernel (tiles 128,64,4,2) ran one call and 20 timed
-    calls on 17 tokens (top-8 of 48 experts, H=7168, I=2048) and the next failed with
-    CUDA_ERROR_LAUNCH_FAILED (docs/results/s19/moe_all.log); the W4A16 kernel
-    (W4A16Tiles(stages=4, consumers=2)), correct at 8192 tokens in one session
-    (docs/results/s19/w4a16_big.log), returned 250.0 for 0.019 in a few entries of the same
-    shape the next (docs/results/s20/kshapes.log). The cause is not found: the interpreter,
-    which runs wgmma synchronously, finds no race and the right result. One consumer passes.
+    The bf16 kernel (tiles 128,64,4,2) ran one call and 20 timed calls on 17 tokens (top-8 of
+    48 experts, H=7168, I=2048) on an H200 (2026-12-03) and the next failed with
+    CUDA_ERROR_LAUNCH_FAILED (docs/results/s19/moe_all.log). Not reproduced since: 1000 calls
+    each at 17 and 8192 tokens, one-step and no release delay, all equal to the one-warpgroup
+    kernel (experiments/ws_fault.py, docs/results/s27/ws_fault_h200.json). Refused until the
+    crash is explained. (The W4A16 kernel's two-consumer failure was found and fixed: see
+    w4a16.py.)
     """
     if tiles.consumers == 2 and interpret is None:
         raise ValueError(
-            f"{kernel}: consumers=2 ({tiles}) is refused compiled: measured on an H200 (2026-12-03) to fail "
-            "intermittently (a crash, CUDA_ERROR_LAUNCH_FAILED, and wrong entries), cause unknown; use consumers=0 "
-            "or 1 (or interpret mode)"
+            f"{kernel}: consumers=2 ({tiles}) is refused compiled: it crashed once on an H200 (2026-12-03, "
+            "CUDA_ERROR_LAUNCH_FAILED), cause unknown; use consumers=0 or 1 (or interpret mode)"
         )
 
 

@@ -22,22 +22,25 @@ block is as small as 16 pairs (wgmma's N) rather than the 64 rows of wgmma's M.
 * down, grid (NB, H / (max(1, C) * BO)): down[e]^T act_b^T the same way (B = act^T's
   [BK, BT] tile), y^T [NB, H, BT], transposed back in XLA.
 
-Two schedules of a program (`W4A16Tiles.consumers`):
+Two schedules of a program (`W4A16Tiles.consumers`); by default `moe_experts_w4a16` takes
+the first for trees and decode and the second with two consumers where row blocks hold 128
+pairs (`default_tiles`):
 
 * C = 0: one warpgroup issues the TMA loads (`plgpu.emit_pipeline`), converts and
   multiplies, and waits for each step's wgmma before the step's slot is refilled.
 * C = 1 or 2, warp specialized (`plgpu.emit_pipeline_warp_specialized`): a producer
   warpgroup keeps the ring of `stages` slots loading; each consumer warpgroup converts and
   multiplies its own BO of the program's C * BO output rows, the C sharing one token tile
-  (its bytes read once per C * BO weight rows rather than per BO). A consumer keeps the
-  step's last wgmma in flight while it waits for the next step's loads and converts their
-  first group; it releases a slot one step late (the slot's `delay_release`), once the
-  wgmma that read its token tile is done. Slots are handed over by the pipeline's
-  barriers: a "produced" barrier per slot (the TMA's bytes arrived) and a "consumed" one
-  (every consumer is done with it). The pipeline moves registers from the producer (40 a
-  thread left) to the consumers, which leaves room for one program an SM, where the
-  one-warpgroup schedule fits several. Compiled, C = 2 is refused
-  (`mosaic.refuse_two_consumers`: it returned wrong entries on an H200, intermittently).
+  (its bytes read once per C * BO weight rows rather than per BO). A consumer waits for a
+  step's wgmmas before it releases the slot and converts the next step's weights: A is in
+  registers, and a wgmma left in flight across the loop's back edge (as the bf16 kernel
+  leaves one) read registers the next conversion reused: wrong entries at 8192 tokens on an
+  H200 in 972 of 1000 calls, none of 1000 with the wait (experiments/ws_fault.py,
+  docs/results/s27/ws_fault_h200.json). Slots are handed over by the pipeline's barriers: a
+  "produced" barrier per slot (the TMA's bytes arrived) and a "consumed" one (every consumer
+  is done with it). The pipeline moves registers from the producer (40 a thread left) to the
+  consumers, which leaves room for one program an SM, where the one-warpgroup schedule fits
+  several.
 
 The token tiles use a swizzle of at most 64 bytes, since wgmma steps through K in units of
 the swizzle's width and each step is one group of 32 inputs; so G is a multiple of 32, BT a
@@ -48,8 +51,8 @@ their rows. The combine (each token's K rows weighted by w, float32) runs in XLA
 
 Mosaic GPU's interpreter (jax 0.11.2) takes no register operand for wgmma: in interpret mode
 each dequantized tile goes through shared memory first; the compiled kernel keeps it in
-registers. The interpreter also runs wgmma synchronously and ignores `wgmma_wait`, so the
-wgmma kept in flight is only exercised compiled. Tested against the reference in interpret
+registers. The interpreter also runs wgmma synchronously and ignores `wgmma_wait`, so it
+cannot see such a hazard: only compiled runs can. Tested against the reference in interpret
 mode on the CPU (tests/test_moe_kernel.py) and compiled under the gpu marker
 (tests/test_kernel_shapes.py); timed by experiments/sweep_w4a16.py and
 experiments/bench_kernels.py on the GPU.
@@ -74,7 +77,6 @@ from ddtree_jax.pallas.moe.mosaic import (
     _store,
     _swiglu,
     _ws_consumer,
-    refuse_two_consumers,
 )
 from ddtree_jax.quant import QuantizedArray
 
@@ -165,19 +167,17 @@ def _transforms(minor: int):
     return plgpu.TilingTransform((8, width // 2)), plgpu.SwizzleTransform(width)
 
 
-def _in_specs(k_major, b, j, bt, gps, rows, g, n_weights, delay_release=0):
+def _in_specs(k_major, b, j, bt, gps, rows, g, n_weights):
     """Pipeline blocks of one program (b, j): the token tile, then each weight's int4 values
     [gps, rows, G] and scales [gps, rows]."""
     bk = gps * g
     if k_major:
-        specs = [plgpu.BlockSpec((bt, bk), lambda k: (b, k), transforms=_transforms(bk), delay_release=delay_release)]
+        specs = [plgpu.BlockSpec((bt, bk), lambda k: (b, k), transforms=_transforms(bk))]
     else:
-        specs = [
-            plgpu.BlockSpec((1, bk, bt), lambda k: (b, k, 0), transforms=_transforms(bt), delay_release=delay_release)
-        ]
+        specs = [plgpu.BlockSpec((1, bk, bt), lambda k: (b, k, 0), transforms=_transforms(bt))]
     for _ in range(n_weights):
-        specs.append(plgpu.BlockSpec((gps, rows, g), lambda k: (k, j, 0), delay_release=delay_release))
-        specs.append(plgpu.BlockSpec((gps, rows), lambda k: (k, j), delay_release=delay_release))
+        specs.append(plgpu.BlockSpec((gps, rows, g), lambda k: (k, j, 0)))
+        specs.append(plgpu.BlockSpec((gps, rows), lambda k: (k, j)))
     return specs
 
 
@@ -282,9 +282,6 @@ def _grouped_matmul_t_ws(body_out, x, weights, block_expert, layer, tiles, inter
     out_bytes = wgs * bo * bt * 2  # the epilogue's tiles, allocated beside the ring
     per_stage = bt * gps * g * 2 + len(weights) * gps * rows * (g // 2 + 2)
     stages = max(1, min(tiles.stages, (SMEM_BUDGET - out_bytes) // per_stage))
-    # A slot is released one step late, so that the wgmma which read it may still run; with
-    # one slot there is nothing to overlap.
-    delay = min(1, stages - 1)
 
     def body(expert_gmem, *refs):
         layer_gmem, x_gmem, w_gmem, out_gmem = _body_refs(layer, refs)
@@ -298,7 +295,7 @@ def _grouped_matmul_t_ws(body_out, x, weights, block_expert, layer, tiles, inter
                 step,
                 grid=(n_groups // gps,),
                 memory_registers=PRODUCER_REGISTERS,
-                in_specs=_in_specs(k_major, b, j, bt, gps, rows, g, len(weights), delay),
+                in_specs=_in_specs(k_major, b, j, bt, gps, rows, g, len(weights)),
                 max_concurrent_steps=stages,
                 wg_axis="wg",
                 num_compute_wgs=wgs,
@@ -310,9 +307,10 @@ def _grouped_matmul_t_ws(body_out, x, weights, block_expert, layer, tiles, inter
                 *w_smem, accs = refs
                 staged = None if a_smem is None else a_smem.at[wg]
                 _step_products(accs, x_smem, w_smem, pl.ds(wg * bo, bo), k_major, staged)
-                # The step's last wgmma runs on through the next step's wait and conversion; the
-                # step before's are done, so the pipeline may now release their slot.
-                plgpu.wgmma_wait(delay)
+                # Every wgmma done before the next step: A is in registers, and one still in flight
+                # at the loop's back edge read registers that the next step's conversion reuses
+                # (972 of 1000 calls wrong at 8192 tokens on an H200: experiments/ws_fault.py).
+                plgpu.wgmma_wait(0)
                 return accs
 
             # A consumer's own slice of the shared epilogue tile ([BO, BT]): in a multithreaded
@@ -361,6 +359,28 @@ def check_w4a16(gate: QuantizedArray, down: QuantizedArray, tiles: W4A16Tiles = 
             )
 
 
+TREE_TILES = W4A16Tiles()
+"""Tiles for trees and decode (tens to hundreds of tokens): one warpgroup a program."""
+PREFILL_TILES = W4A16Tiles(stages=4, consumers=2)
+"""Tiles where row blocks hold 128 pairs (more than 64 pairs an expert on average: prefill,
+batched trees): two consumer warpgroups share each token tile. One H200, an EP-8 shard of
+Kimi-K2's experts (docs/results/s27/w4a16_ws2.json): 1.44 ms against TREE_TILES' 1.64 at 520
+tokens, 14.9 against 17.0 at 8192; 2-3% slower at 17 and 129 tokens."""
+
+
+def default_tiles(pairs: int, gate: QuantizedArray, down: QuantizedArray) -> W4A16Tiles:
+    """`PREFILL_TILES` where their row blocks would hold 128 pairs and they take these experts'
+    shapes, else `TREE_TILES`."""
+    experts = gate.shape[-3]
+    if TREE_TILES.rows_per_block(pairs, experts) >= 128:
+        try:
+            check_w4a16(gate, down, PREFILL_TILES)
+            return PREFILL_TILES
+        except ValueError:
+            pass
+    return TREE_TILES
+
+
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
 def moe_experts_w4a16(
     x,  # [T, H]
@@ -371,15 +391,18 @@ def moe_experts_w4a16(
     down: QuantizedArray,  # [E, I, H]
     *,
     layer=None,
-    tiles: W4A16Tiles = W4A16Tiles(),
+    tiles: W4A16Tiles | None = None,
     interpret=None,
 ):
     """Same contract as `moe_experts_reference`: [T, H] in x's dtype.
 
     `layer`: None, or an int32 scalar when gate / up / down are layer stacks [L, E, ...]:
-    the kernels read layer `layer`'s experts in place. `interpret`: None compiles for the
-    GPU; Mosaic GPU's `InterpretGPUParams()` runs the kernels on the CPU.
+    the kernels read layer `layer`'s experts in place. `tiles`: None picks them by the number
+    of (token, expert) pairs (`default_tiles`). `interpret`: None compiles for the GPU; Mosaic
+    GPU's `InterpretGPUParams()` runs the kernels on the CPU.
     """
+    if tiles is None:
+        tiles = default_tiles(idx.shape[0] * idx.shape[1], gate, down)
     check_w4a16(gate, down, tiles)
     e = gate.shape[-3]
     if layer is not None:
@@ -388,7 +411,6 @@ def moe_experts_w4a16(
     k = idx.shape[1]
     bt = tiles.rows_per_block(t * k, e)
     tiles.check_registers(bt)  # block_t=None resolves here
-    refuse_two_consumers("moe_experts_w4a16", tiles, interpret)
     pos, block_expert = group_by_expert(idx, e, bt)
     rows = block_expert.shape[0] * bt
     xs = jnp.zeros((rows, h), jnp.bfloat16).at[pos].set(jnp.repeat(x.astype(jnp.bfloat16), k, axis=0))
