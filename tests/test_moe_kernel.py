@@ -190,6 +190,8 @@ def test_mosaic_tiles_and_shapes_are_checked():
         MosaicMoETiles(stages=0)
     with pytest.raises(ValueError, match="consumers must be 0, 1 or 2, got 3"):
         MosaicMoETiles(consumers=3)
+    with pytest.raises(ValueError, match="release_delay must be 0 or 1, got 2"):
+        MosaicMoETiles(release_delay=2)
     args = case(0, 2, 4, 48, 64, dtype=jnp.bfloat16)
     # Two consumers crashed once compiled on an H200 (CUDA_ERROR_LAUNCH_FAILED), cause unknown:
     # refused unless interpreted (the interpreter tests above still run them).
