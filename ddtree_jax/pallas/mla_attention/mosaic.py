@@ -87,8 +87,9 @@ def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None 
     rounded up, at most two waves when splitting.
 
     One program runs per SM (its shared memory takes the SM), so a grid of 136 programs on 132
-    SMs takes two rounds of the whole split: 17 tree tokens x 64 heads (17 query tiles) run 7
-    splits (119 programs), not the 8 that filling the SMs would give.
+    SMs takes two rounds of the whole split: 17 tree tokens x 64 heads (17 query tiles) over a
+    32K cache (512 blocks) run 15 splits (255 programs, two waves of 35 blocks), not the 8 that
+    filling the SMs once would give (136 programs, two waves of 64).
     """
     sms = sms or getattr(jax.devices()[0], "core_count", None) or H200_SMS
     programs = batch * query_tiles
