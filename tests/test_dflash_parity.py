@@ -55,7 +55,9 @@ def _inputs(cfg: DrafterConfig, seed: int) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def drafter_parity(tmp_path_factory):
+def references(tmp_path_factory):
+    """Both parts' reference cases (the drafter alone, then end to end) in one run of
+    dflash_reference.py: torch, transformers and dflash start once (~6 s)."""
     root = tmp_path_factory.mktemp("dflash")
     runs, cases = {}, []
     for i, (name, cfg) in enumerate(CONFIGS.items()):
@@ -64,8 +66,16 @@ def drafter_parity(tmp_path_factory):
         np.savez(root / f"{name}.npz", **inputs)
         runs[name] = (dflash.load_drafter(root / name), inputs)
         cases.append({"drafter": str(root / name), "inputs": str(root / f"{name}.npz")})
-    refs = run_hf_reference(cases, str(root), "dflash_reference.py")
-    return {name: (*run, ref) for (name, run), ref in zip(runs.items(), refs, strict=True)}
+    cases.append(_end_to_end_case(root / "taps"))
+    *refs, end_to_end_ref = run_hf_reference(cases, str(root), "dflash_reference.py")
+    drafters = {name: (*run, ref) for (name, run), ref in zip(runs.items(), refs, strict=True)}
+    taps = root / "taps"
+    return drafters, (checkpoint.load_target(taps / "target"), dflash.load_drafter(taps / "drafter"), end_to_end_ref)
+
+
+@pytest.fixture(scope="module")
+def drafter_parity(references):
+    return references[0]
 
 
 extend = jax.jit(dflash.extend_context)
@@ -111,9 +121,8 @@ def test_each_variant_changes_the_logits(drafter_parity):
 PROMPT = [5, 17, 42, 9, 200, 31, 77, 3, 120, 64, 18, 250, 7]
 
 
-@pytest.fixture(scope="module")
-def end_to_end(tmp_path_factory):
-    root = tmp_path_factory.mktemp("taps")
+def _end_to_end_case(root) -> dict:
+    """A random tiny target and a drafter tapping it, saved under root; their reference case."""
     tcfg = tiny()
     last = tcfg.num_hidden_layers - 1
     # Taps on an inner layer and on the last one, where the convention matters.
@@ -122,9 +131,12 @@ def end_to_end(tmp_path_factory):
     )
     checkpoint.save_hf(random_target(tcfg, seed=3), root / "target")
     dflash.save_drafter_hf(random_params(dcfg, seed=4), root / "drafter")
-    case = {"drafter": str(root / "drafter"), "target": str(root / "target"), "prompt": PROMPT}
-    (ref,) = run_hf_reference([case], str(root), "dflash_reference.py")
-    return checkpoint.load_target(root / "target"), dflash.load_drafter(root / "drafter"), ref
+    return {"drafter": str(root / "drafter"), "target": str(root / "target"), "prompt": PROMPT}
+
+
+@pytest.fixture(scope="module")
+def end_to_end(references):
+    return references[1]
 
 
 def _engine_draft(target, params):
