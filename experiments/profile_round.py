@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import time
 
 import _settings
 import jax
@@ -54,6 +56,18 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
     return time_call(lambda: looped(args), repeats)[0] / reps
 
 
+def host_ms(fn, repeats: int = 5) -> float:
+    """Median ms until fn() returns, its result not waited for: the host's share of a call
+    (checks, transfers, dispatch), which the device work overlaps only after it."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return 1e3 * statistics.median(times)
+
+
 def in_loop(
     target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, kernels: int = 0, **gen_kwargs
 ):
@@ -80,11 +94,17 @@ def in_loop(
     t_all, rounds = run(tokens)
     table = None
     if kernels:
-        one, full = kernel_table(call(1), 1, 0), kernel_table(call(tokens), 1, kernels, per=rounds)
+        one, full = kernel_table(call(1), 1, kernels), kernel_table(call(tokens), 1, kernels, per=rounds)
         table = {
             "kernels_per_round": full["kernels"] - one["kernels"] / rounds,
             "kernel_ms_per_round": full["kernel_ms"] - one["kernel_ms"] / rounds,
             "top": full["top"],
+            # The one-token call (prefill and first token): its kernels, their span, the host share.
+            "call_kernels": one["kernels"],
+            "call_kernel_ms": one["kernel_ms"],
+            "call_span_ms": one["span_ms"],
+            "call_top": one["top"],
+            "call_host_ms": host_ms(call(1)),
         }
     return (t_all - t_one) / rounds, table, t_one
 
@@ -225,6 +245,13 @@ def main():
                 f"{k['kernel_ms_per_round']:.3f} ms of kernels per round\n| kernel | ms / round | launches / round |"
             )
             for t in k["top"]:
+                print(f"| {t['kernel'][:80]} | {t['ms']:.4f} | {t['launches']:.1f} |")
+            print(
+                f"\n{name}, one-token call: {r[f'{name}_call_ms']:.3f} ms wall, {k['call_host_ms']:.3f} ms until "
+                f"generate returns, {k['call_kernels']:.0f} kernels, {k['call_kernel_ms']:.3f} ms of kernels over "
+                f"{k['call_span_ms']:.3f} ms from the first to the last\n| kernel | ms / call | launches / call |"
+            )
+            for t in k["call_top"]:
                 print(f"| {t['kernel'][:80]} | {t['ms']:.4f} | {t['launches']:.1f} |")
     if args.out:
         with open(args.out, "w") as f:

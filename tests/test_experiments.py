@@ -366,6 +366,24 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     assert row["round_over_ar_in_loop"] == pytest.approx(row["round_in_loop_ms"] / row["ar_in_loop_ms"])
 
 
+def test_call_cost_splits_a_call_from_its_rounds(tiny_pair, tmp_path):
+    out = tmp_path / "call_cost.json"
+    res = run_script(
+        "call_cost.py",
+        *("--checkpoints", tiny_pair, "--methods", "ar", "ddtree", "--budget", "4", "--context", "16"),
+        *("--tokens", "8", "--repeats", "1", "--dtype", "float32", "--out", out),
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ar", "ddtree"]
+    for r in rows:
+        timed = ("host_ms", "call_ms", "full_ms", "exe_host_ms", "exe_call_ms", "exe_fresh_call_ms")
+        assert all(r[k] > 0 for k in timed), r
+        assert 1 <= r["rounds"] <= 7, r  # 8 tokens, the first from the prefill
+        # A difference of two timed calls: only its arithmetic is checked (a busy CPU).
+        assert r["round_ms"] == pytest.approx((r["full_ms"] - r["call_ms"]) / r["rounds"])
+
+
 def test_loop_ops_counts_the_decode_loop_body(tmp_path):
     out = tmp_path / "ops.json"
     # "fast": the loop body whose launches the script counts (exact numerics nest loops in it).

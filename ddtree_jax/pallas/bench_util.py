@@ -106,7 +106,8 @@ def kernel_table(fn, calls: int, top: int, per: float = 1.0, gpu: str | None = N
     One untimed call compiles. Figures are per `per` units of work (a call: per = 1; a
     generate call of R rounds: per = R): "kernels" launched and "kernel_ms" summed over
     every kernel, and the `top` names by time. `gpu` ("/device:GPU:1") keeps one GPU's
-    kernels; None sums every GPU's.
+    kernels; None sums every GPU's. "span_ms": from the first kernel's start to the last
+    one's end, per call (with calls=1: the kernels plus the device's idle gaps between them).
     """
     jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -123,9 +124,11 @@ def kernel_table(fn, calls: int, top: int, per: float = 1.0, gpu: str | None = N
     for _, duration, name, _ in events:
         totals[name] += duration
         counts[name] += 1
+    span = max(s + d for s, d, _, _ in events) - min(s for s, _, _, _ in events) if events else 0.0
     return {
         "kernels": len(events) / n,
         "kernel_ms": 1e3 * sum(totals.values()) / n,
+        "span_ms": 1e3 * span / calls,
         "top": [{"kernel": k, "ms": 1e3 * v / n, "launches": counts[k] / n} for k, v in totals.most_common(top)],
     }
 
