@@ -32,13 +32,16 @@ class Acceptance:
     bonus: jax.Array  # [B] the target's token after the path: the next root
 
 
-def build_tree(method: str, draft_logits: jax.Array | None, roots: jax.Array, budget: int) -> trees.DraftTree:
-    """The round's tree: root only ("ar"), argmax chain ("dflash") or best tree ("ddtree")."""
+def build_tree(
+    method: str, draft_logits: jax.Array | None, roots: jax.Array, budget: int, tree_temperature: float = 1.0
+) -> trees.DraftTree:
+    """The round's tree: root only ("ar"), argmax chain ("dflash") or best tree ("ddtree",
+    from the drafter's logits divided by `tree_temperature`)."""
     if method == "ar":
         return trees.root_only(roots)
     if method == "dflash":
         return trees.build_chain(draft_logits, roots)
-    return trees.build_ddtree(draft_logits, roots, budget)
+    return trees.build_ddtree(draft_logits, roots, budget, temperature=tree_temperature)
 
 
 def verify(
@@ -164,6 +167,7 @@ def step(
     sampling: SamplingConfig,
     implementation: str = "auto",
     numerics: str | None = None,
+    tree_temperature: float = 1.0,
 ) -> tuple[KVCache, Any, RoundOutput]:
     """One whole round: draft -> build tree -> verify -> accept -> commit.
 
@@ -184,6 +188,8 @@ def step(
       sampling: greedy or sampled choices (`sampling.SamplingConfig`).
       implementation: kernel implementation of the verify forward.
       numerics: "exact" / "fast" (numerics.py); None picks by dtype.
+      tree_temperature: DDTree's drafter logits are divided by it before the tree is
+        chosen (`tree.build_ddtree`).
 
     Returns:
       (cache, draft_state, RoundOutput) after the round.
@@ -195,7 +201,7 @@ def step(
             draft_logits = drafter.propose(draft_state, target, cache, roots, draft_key)
         draft_nonfinite = active & ~jnp.all(jnp.isfinite(draft_logits), axis=(1, 2))
     with jax.named_scope("build_tree"):
-        tree = build_tree(method, draft_logits, roots, budget)
+        tree = build_tree(method, draft_logits, roots, budget, tree_temperature)
     taps = drafter.tap_layers if drafter is not None else ()
     normed = drafter.tap_final_norm if drafter is not None else True
     out = verify(

@@ -29,7 +29,7 @@ from ddtree_jax.model import TargetParams, append, hoist_layers, logits
 from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.pallas import IMPLEMENTATIONS
 from ddtree_jax.sampling import SamplingConfig, choose
-from ddtree_jax.tree import check_budget
+from ddtree_jax.tree import check_budget, check_tree_temperature
 
 METHODS = ("ar", "dflash", "ddtree")
 DEFAULT_BUDGET = 64
@@ -149,6 +149,7 @@ class _Static:
     implementation: str
     numerics: str
     prefill_chunk: int
+    tree_temperature: float
 
 
 def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static, unroll_layers: bool = True):
@@ -214,6 +215,7 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
         sampling=st.sampling,
         implementation=st.implementation,
         numerics=st.numerics,
+        tree_temperature=st.tree_temperature,
     )
     j = jnp.arange(r.tokens.shape[1])[None, :]
     # A token chosen from non-finite logits is not emitted: the row ends before it.
@@ -361,6 +363,7 @@ def generate(
     *,
     method: str = "ar",
     tree_budget: int | None = None,
+    tree_temperature: float = 1.0,
     block_size: int | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -391,6 +394,9 @@ def generate(
         [B, P] integer array with `prompt_lengths`.
       method: "ar", "dflash" or "ddtree".
       tree_budget: DDTree node budget (root not counted), 1..1024; default 64.
+      tree_temperature: DDTree builds its tree from the drafter's logits divided by this
+        (> 0; 1.0: as they are, below 1 sharper). It changes which tokens are drafted,
+        never which are accepted, so the output is the same.
       block_size: use a smaller block than the drafter's (>= 2).
       max_new_tokens: the most tokens generated per row (>= 1); the longest
         prompt plus this must fit the target's max_position_embeddings.
@@ -448,6 +454,7 @@ def _run(
     *,
     method,
     tree_budget,
+    tree_temperature,
     block_size,
     max_new_tokens,
     temperature,
@@ -476,6 +483,7 @@ def _run(
     if prompts is None:
         raise ValueError("no prompts given")
     budget = 0
+    tree_temperature = check_tree_temperature(tree_temperature)
     if block_size is not None:
         check_int("block_size", block_size)
     if method == "ar":
@@ -532,6 +540,8 @@ def _run(
         implementation=implementation,
         numerics=numerics,
         prefill_chunk=check_int("prefill_chunk", prefill_chunk, minimum=1),
+        # One program per temperature for DDTree alone: the other trees do not read it.
+        tree_temperature=tree_temperature if method == "ddtree" else 1.0,
     )
     # Host arrays, not jnp.asarray: the call moves them to the device with its other arguments
     # instead of an eager conversion each (three more device launches a call on a GPU).

@@ -75,6 +75,18 @@ def check_budget(budget) -> None:
         raise ValueError(f"tree budget must be an int in [1, {MAX_BUDGET}], got {budget!r}")
 
 
+def check_tree_temperature(temperature) -> float:
+    """Returns the tree temperature as a float; raises TypeError unless it is a real number,
+    ValueError unless it is finite and > 0."""
+    if isinstance(temperature, (bool, np.bool_)) or not isinstance(temperature, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"tree temperature must be a real number > 0, got {temperature!r} ({type(temperature).__name__})"
+        )
+    if not (np.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"tree temperature must be finite and > 0, got {temperature!r}")
+    return float(temperature)
+
+
 def _assemble(roots, tokens, parents, depths, valid, node_vis, max_depth) -> DraftTree:
     """Prepends the root slot; node_vis [B, n, n] is ancestor-or-self among the nodes."""
     b, n_nodes = tokens.shape
@@ -310,7 +322,9 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, jnp.take_along_axis(index, pick, axis=-1)
 
 
-def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int, *, method: str = "auto") -> DraftTree:
+def build_ddtree(
+    draft_logits: jax.Array, roots: jax.Array, budget: int, *, method: str = "auto", temperature: float = 1.0
+) -> DraftTree:
     """DDTree's best tree of `budget` nodes from per-depth drafter logits.
 
     Args:
@@ -319,6 +333,9 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int, *, meth
       budget: node budget, root not counted (1..MAX_BUDGET).
       method: "enumerate", "beam" or "auto" (enumerate when the eligible paths
         number at most MAX_ENUMERATED_PATHS); both give the same tree.
+      temperature: the logits are divided by it before the tree is chosen (1.0: the
+        drafter's distributions as they are; below 1 sharper). It shapes the tree only:
+        which tokens are accepted is the target's choice either way.
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -326,6 +343,7 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int, *, meth
       the rest is padding.
     """
     check_budget(budget)
+    temperature = check_tree_temperature(temperature)
     if method not in ("auto", "enumerate", "beam"):
         raise ValueError(f"method must be 'auto', 'enumerate' or 'beam', got {method!r}")
     b, d, v = draft_logits.shape
@@ -335,7 +353,10 @@ def build_ddtree(draft_logits: jax.Array, roots: jax.Array, budget: int, *, meth
     if method == "enumerate" and paths is None:
         raise ValueError(f"budget {budget} at depth {d} has more than {MAX_ENUMERATED_PATHS} eligible paths")
     with jax.named_scope("build_tree"):
-        logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+        scaled = draft_logits.astype(jnp.float32)
+        if temperature != 1.0:
+            scaled = scaled / temperature
+        logp = jax.nn.log_softmax(scaled, axis=-1)
         top_lp, top_tok = top_k(logp, k)  # [B, D, K], ranks sorted descending
         if paths is not None:
             return _build_enumerated(top_lp, top_tok, roots, budget, paths)

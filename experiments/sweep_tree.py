@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 
@@ -41,6 +42,7 @@ CSV_FIELDS = (
     "method",
     "block_size",
     "budget",
+    "tree_temperature",
     "prompts",
     "tau",
     "tokens_per_s",
@@ -58,6 +60,7 @@ def run_one(shipped, groups, args, temperature, method, block_size, budget) -> d
     kw = dict(
         method=method,
         tree_budget=budget,
+        tree_temperature=args.tree_temperature,
         block_size=block_size,
         max_new_tokens=args.max_new_tokens,
         temperature=temperature,
@@ -81,6 +84,7 @@ def run_one(shipped, groups, args, temperature, method, block_size, budget) -> d
         "method": method,
         "block_size": block_size,
         "budget": budget,
+        "tree_temperature": args.tree_temperature if method == "ddtree" else None,
         **totals.row(),
         "device": args.device,
         "accept_hist": hist.tolist(),  # index i: rounds that accepted i + 1 tokens
@@ -254,6 +258,9 @@ def parse_args(argv=None):
     ap.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16], help="tree depth = block size - 1")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument(
+        "--tree-temperature", type=float, default=1.0, help="DDTree's drafter logits / this before the tree (> 0)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0, help="PRNG seed of the sampled (T > 0) runs")
     ap.add_argument("--stop", action="store_true", help="stop rows at the end-of-text token (default: never)")
@@ -269,6 +276,8 @@ def parse_args(argv=None):
         ap.error(f"--limit must be >= 0, got {args.limit}")
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not (math.isfinite(args.tree_temperature) and args.tree_temperature > 0):
+        ap.error(f"--tree-temperature must be finite and > 0, got {args.tree_temperature}")
     bad = [b for b in args.budgets if not 1 <= b <= MAX_BUDGET]
     if bad:
         ap.error(f"budgets must lie in [1, {MAX_BUDGET}], got {bad}")

@@ -252,7 +252,7 @@ def test_sweep_tree_writes_csv_json_and_plots(data_dir, tiny_pair, tmp_path):
     data.mkdir()
     shutil.copy(data_dir / "validation.npy", data / "test.npy")  # the eval reads DATA/test.npy
     out = tmp_path / "sweep"
-    grid = ("--budgets", 4, "--block-sizes", 4, "--temperatures", 1)
+    grid = ("--budgets", 4, "--block-sizes", 4, "--temperatures", 1, "--tree-temperature", 0.7)
     proc = run_script(
         "sweep_tree.py",
         *("--prompts", "test", "--data", data, "--limit", 2, *grid, "--checkpoints", tiny_pair),
@@ -267,6 +267,8 @@ def test_sweep_tree_writes_csv_json_and_plots(data_dir, tiny_pair, tmp_path):
     ]
     assert [(r["temperature"], r["method"], r["block_size"], r["budget"]) for r in rows] == expected
     assert len(csv_rows) == len(rows) and csv_rows[0]["method"] == "ar"
+    assert [r["tree_temperature"] for r in rows] == [None, None, 0.7]
+    assert csv_rows[2]["tree_temperature"] == "0.7"
     for r in rows:
         assert r["prompts"] == 2 and r["tokens"] == 2 * 8, r  # no stop token: every row runs to the end
         hist = r["accept_hist"]
@@ -286,6 +288,8 @@ def test_sweep_tree_writes_csv_json_and_plots(data_dir, tiny_pair, tmp_path):
     )
     why = refusal("sweep_tree.py", "--block-sizes", 17, "--out", tmp_path / "bad")
     assert "block sizes must lie in [2, the drafter's block_size=16], got [17]" in why
+    why = refusal("sweep_tree.py", "--tree-temperature", 0, "--out", tmp_path / "bad")
+    assert "--tree-temperature must be finite and > 0, got 0.0" in why
 
 
 def test_repeated_ngrams():

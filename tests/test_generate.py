@@ -211,6 +211,13 @@ def test_top_k_top_p_filters():
         (dict(prompts=[[1]], block_size=True), TypeError, "block_size must be an int, got True"),
         (dict(prompts=[[1]], prefill_chunk=0), ValueError, "prefill_chunk must be >= 1, got 0"),
         (dict(prompts=[[1]], prefill_chunk=2.0), TypeError, "prefill_chunk must be an int, got 2.0"),
+        (dict(prompts=[[1]], tree_temperature=0.0), ValueError, "tree temperature must be finite and > 0, got 0.0"),
+        (dict(prompts=[[1]], tree_temperature=float("inf")), ValueError, "tree temperature must be finite and > 0"),
+        (
+            dict(prompts=[[1]], tree_temperature="low"),
+            TypeError,
+            "tree temperature must be a real number > 0, got 'low'",
+        ),
         (
             dict(prompts=[[1] * 3, [1] * 500], max_new_tokens=13),
             ValueError,
@@ -243,3 +250,18 @@ def test_forward_rejects_wrong_token_dtype(params):
         model.forward(
             params, jnp.zeros((1, 2), jnp.float32), jnp.zeros((1, 2), jnp.int32), cache, jnp.ones((1, 2, 2), bool)
         )
+
+
+def test_tree_temperature_changes_the_drafts_not_the_tokens(params):
+    """Greedy DDTree with a sharpened (0.5) or flattened (3.0) tree gives AR's tokens; the
+    trees differ, so the acceptance does (an oracle drafter that errs, whose logits spread)."""
+    from ddtree_jax.drafters import OracleDrafter
+
+    oracle = OracleDrafter(block_size=4, confidence=3.0, noise=1.5)
+    want = generate(params, PROMPTS, max_new_tokens=M).to_lists()
+    accepted = {}
+    for t in (0.5, 3.0):
+        res = generate(params, oracle, PROMPTS, method="ddtree", tree_budget=6, tree_temperature=t, max_new_tokens=M)
+        assert res.to_lists() == want, t
+        accepted[t] = np.asarray(res.accept_lengths).tolist()
+    assert accepted[0.5] != accepted[3.0]

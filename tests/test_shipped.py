@@ -151,6 +151,7 @@ def test_cli_generate(capsys):
     assert out.startswith("def f(")
     assert "method=ddtree budget=8 new_tokens=8" in out
     assert "tau=" in out and "tokens/s=" in out
+    assert out.rstrip().endswith("tree_temperature=0.8")  # the greedy default
 
 
 def _eval(data_dir, out_json, capsys):
@@ -181,9 +182,9 @@ def _eval(data_dir, out_json, capsys):
     assert "| ddtree | 4 |" in out
     with open(out_json) as f:
         rows = json.load(f)["rows"]
-    assert [(r["method"], r["budget"], r["prompts"], r["tokens"]) for r in rows] == [
-        ("ar", None, 2, 16),
-        ("ddtree", 4, 2, 16),
+    assert [(r["method"], r["budget"], r["tree_temperature"], r["prompts"], r["tokens"]) for r in rows] == [
+        ("ar", None, None, 2, 16),
+        ("ddtree", 4, 0.8, 2, 16),
     ]
     assert rows[1]["tau"] >= 1.0
     return rows
@@ -227,6 +228,8 @@ def test_cli_eval_without_prepared_data_tokenizes_stdlib(tmp_path, capsys):
         (["eval", "--budgets", "16", "2000"], r"tree budget must be an int in \[1, 1024\], got 2000"),
         (["generate", "def f(", "--temperature", "-1"], "temperature must be a finite number >= 0, got -1.0"),
         (["generate", "def f(", "--top-p", "2"], r"top_p must lie in \(0, 1\], got 2.0"),
+        (["generate", "def f(", "--tree-temperature", "0"], "tree temperature must be finite and > 0, got 0.0"),
+        (["eval", "--tree-temperature", "nan"], "tree temperature must be finite and > 0, got nan"),
         (["generate", "def f(", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (
             ["generate", "def f(", "--block-size", "1"],

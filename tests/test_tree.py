@@ -199,6 +199,33 @@ def test_bad_budget(budget, error):
         tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), budget)
 
 
+def test_tree_temperature_sharpens_the_drafter_before_the_tree_is_chosen():
+    """Depth 1: a 0.6, b 0.4; depth 2: c 0.55, d 0.45. Two nodes at t = 1 take a and b (0.6,
+    0.4 > a-c 0.33); at t = 0.5 (p^2, renormalized) a-c's 0.69 x 0.60 = 0.41 beats b's 0.31."""
+    p = np.array([[[0.6, 0.4, 1e-9, 1e-9], [1e-9, 1e-9, 0.55, 0.45]]])
+    logits, roots = jnp.asarray(np.log(p), jnp.float32), jnp.asarray([3], jnp.int32)
+    for method in ("enumerate", "beam"):
+        flat = tree.build_ddtree(logits, roots, 2, method=method)
+        assert (
+            flat.tokens.tolist() == tree.build_ddtree(logits, roots, 2, method=method, temperature=1.0).tokens.tolist()
+        )
+        sharp = tree.build_ddtree(logits, roots, 2, method=method, temperature=0.5)
+        assert np.asarray(flat.tokens).tolist() == [[3, 0, 1]] and np.asarray(flat.parents).tolist() == [[-1, 0, 0]]
+        assert np.asarray(sharp.tokens).tolist() == [[3, 0, 2]] and np.asarray(sharp.parents).tolist() == [[-1, 0, 1]]
+        same = tree.build_ddtree(logits / 0.5, roots, 2, method=method)
+        assert np.asarray(same.tokens).tolist() == np.asarray(sharp.tokens).tolist()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "error"),
+    [(0, ValueError), (-0.5, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), ("0.8", TypeError),
+     (True, TypeError)],
+)  # fmt: skip
+def test_bad_tree_temperature(temperature, error):
+    with pytest.raises(error, match="tree temperature"):
+        tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), 2, temperature=temperature)
+
+
 @pytest.mark.parametrize(("n", "k"), [(600, 32), (8192, 32), (3576, 64), (513, 256), (1000, 1)])
 def test_two_stage_top_k_is_lax_top_k(n, k):
     """Same values and indices as one `lax.top_k`, ties (few distinct values) and -inf included."""
