@@ -370,7 +370,7 @@ def _sampling_args(p) -> None:
         type=float,
         default=None,
         help="DDTree's tree from the drafter's logits divided by this (default: 0.8 at --temperature 0, the shipped "
-        "pair's best on an H200 in docs/benchmarks.md; 1.0 when sampling). Changes the speed, not the tokens",
+        "pair's best on an H200 in docs/benchmarks.md; 1.0 when sampling). Changes the speed: greedy tokens stay the same, sampled ones the target's distribution",
     )
     _numerics_args(p)
 

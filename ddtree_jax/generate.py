@@ -395,8 +395,9 @@ def generate(
       method: "ar", "dflash" or "ddtree".
       tree_budget: DDTree node budget (root not counted), 1..1024; default 64.
       tree_temperature: DDTree builds its tree from the drafter's logits divided by this
-        (> 0; 1.0: as they are, below 1 sharper). It changes which tokens are drafted,
-        never which are accepted, so the output is the same.
+        (> 0; 1.0: as they are, below 1 sharper). It changes which tokens are drafted, not
+        the output's law: greedy tokens are the same, sampled ones keep the target's
+        distribution (their draws differ with the tree).
       block_size: use a smaller block than the drafter's (>= 2).
       max_new_tokens: the most tokens generated per row (>= 1); the longest
         prompt plus this must fit the target's max_position_embeddings.
