@@ -29,9 +29,9 @@ import time
 import numpy as np
 
 
-def median_ms(fn, repeats: int, wait: bool) -> float:
-    """Median ms of fn() over `repeats` calls after one untimed call; `wait`: until its
-    result is ready, else until fn returns."""
+def host_ms(fn, repeats: int) -> float:
+    """Median ms until fn() returns, its result not waited for, over `repeats` calls after
+    one untimed call: the host's share of a call (checks, transfers, dispatch)."""
     import jax
 
     jax.block_until_ready(fn())
@@ -39,11 +39,16 @@ def median_ms(fn, repeats: int, wait: bool) -> float:
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()
-        if wait:
-            jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
         jax.block_until_ready(out)
     return 1e3 * statistics.median(times)
+
+
+def call_ms(fn, repeats: int) -> float:
+    """Median ms of fn() waited for (`evaluation.time_call`)."""
+    from ddtree_jax.evaluation import time_call
+
+    return 1e3 * time_call(fn, repeats)[0]
 
 
 def with_fresh_inputs(exe, target, drafter, *host_and_key):
@@ -102,21 +107,21 @@ def main():
         rounds = float(np.asarray(call(args.tokens)().rounds).max())
         row = {
             "method": method,
-            "host_ms": median_ms(call(1), args.repeats, wait=False),
-            "call_ms": median_ms(call(1), args.repeats, wait=True),
-            "full_ms": median_ms(call(args.tokens), max(3, args.repeats // 4), wait=True),
+            "host_ms": host_ms(call(1), args.repeats),
+            "call_ms": call_ms(call(1), args.repeats),
+            "full_ms": call_ms(call(args.tokens), max(3, args.repeats // 4)),
             "rounds": rounds,
         }
         call(1)()
         exe, (target, drafter, *host, key) = seen["exe"], seen["args"]
         on_device = [jax.device_put(a) for a in host]
         direct = functools.partial(exe, target, drafter, *on_device, key)
-        row["exe_host_ms"] = median_ms(direct, args.repeats, wait=False)
-        row["exe_call_ms"] = median_ms(direct, args.repeats, wait=True)
+        row["exe_host_ms"] = host_ms(direct, args.repeats)
+        row["exe_call_ms"] = call_ms(direct, args.repeats)
         # The same, handed new host copies of the prompt, lengths and stop ids each call (as
         # generate does): new input buffers every call.
         fresh = functools.partial(with_fresh_inputs, exe, *seen["args"])
-        row["exe_fresh_call_ms"] = median_ms(fresh, args.repeats, wait=True)
+        row["exe_fresh_call_ms"] = call_ms(fresh, args.repeats)
         row["round_ms"] = (row["full_ms"] - row["call_ms"]) / rounds
         rows.append(row)
         print(json.dumps(row), flush=True)

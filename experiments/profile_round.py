@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import _settings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from call_cost import host_ms
 
 from ddtree_jax import compile_cache, config, decode, model
 from ddtree_jax.cache import KVCache
@@ -54,18 +53,6 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
         return jax.lax.fori_loop(0, reps, body, args)
 
     return time_call(lambda: looped(args), repeats)[0] / reps
-
-
-def host_ms(fn, repeats: int = 5) -> float:
-    """Median ms until fn() returns, its result not waited for: the host's share of a call
-    (checks, transfers, dispatch), which the device work overlaps only after it."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-        jax.block_until_ready(out)
-    return 1e3 * statistics.median(times)
 
 
 def in_loop(
@@ -104,7 +91,7 @@ def in_loop(
             "call_kernel_ms": one["kernel_ms"],
             "call_span_ms": one["span_ms"],
             "call_top": one["top"],
-            "call_host_ms": host_ms(call(1)),
+            "call_host_ms": host_ms(call(1), repeats=5),
         }
     return (t_all - t_one) / rounds, table, t_one
 

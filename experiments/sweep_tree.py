@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import sys
 
@@ -34,7 +33,7 @@ from ddtree_jax import compile_cache
 from ddtree_jax.evaluation import Totals, bucket, prompt_set, time_call
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
-from ddtree_jax.tree import MAX_BUDGET
+from ddtree_jax.tree import MAX_BUDGET, check_tree_temperature
 
 BUCKET = 128
 CSV_FIELDS = (
@@ -276,7 +275,9 @@ def parse_args(argv=None):
         ap.error(f"--limit must be >= 0, got {args.limit}")
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not (math.isfinite(args.tree_temperature) and args.tree_temperature > 0):
+    try:
+        check_tree_temperature(args.tree_temperature)
+    except ValueError:
         ap.error(f"--tree-temperature must be finite and > 0, got {args.tree_temperature}")
     bad = [b for b in args.budgets if not 1 <= b <= MAX_BUDGET]
     if bad:
