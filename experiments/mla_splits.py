@@ -4,8 +4,8 @@ one wave (the choice before it), in device time, same process.
     python3 experiments/mla_splits.py --out mla_splits.json
     python3 experiments/mla_splits.py --smoke        # CPU: shrunk shapes, interpret mode
 
-For each shape (heads x context x batch x new tokens) where the two choices differ, both
-run the Mosaic kernel (`bench_util.device_time`, inputs rotated past the L2 cache), and
+For each shape (heads x context x batch x new tokens) where the two choices differ (or
+`--splits` adds others), each runs the Mosaic kernel (`bench_util.device_time`, inputs rotated past the L2 cache), and
 each output is compared with the XLA reference where its float32 scores stay under 2 GB.
 Rows go to --out as they finish; --budget-s stops starting new ones.
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas import mosaic_interpret
-from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
+from ddtree_jax.pallas.bench_util import device_time, kernel_table, percent_of_peak
 from ddtree_jax.pallas.mla_attention.bench import cost, inputs
 from ddtree_jax.pallas.mla_attention.mosaic import (
     BLOCK_Q,
@@ -50,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="CPU: shrunk shapes, interpret mode")
+    ap.add_argument("--splits", type=int, nargs="+", default=None, help="also run these split counts on every shape")
+    ap.add_argument("--kernels", type=int, default=0, help="also list each call's N largest kernels (GPU)")
     args = ap.parse_args(argv)
     interpret = mosaic_interpret() if args.smoke else None
     sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
@@ -70,7 +72,10 @@ def main(argv=None):
                     blocks = shape.cache // MosaicMLATiles().block_k
                     choices = {"one wave": one_wave(batch * tiles_q, blocks, sms)}
                     choices["wave-aware"] = num_splits(batch, tiles_q, blocks, sms)
-                    if choices["one wave"] == choices["wave-aware"]:
+                    for ns in args.splits or ():
+                        if min(ns, blocks) not in choices.values():
+                            choices[f"{ns} splits"] = min(ns, blocks)
+                    if len(set(choices.values())) == 1:
                         continue
                     x = inputs(shape, jax.random.PRNGKey(0))
                     flops, nbytes = cost(shape)
@@ -100,6 +105,8 @@ def main(argv=None):
                             pct_peak=percent_of_peak(flops, nbytes, sec),
                             max_abs_err=err,
                         )
+                        if args.kernels:
+                            row["kernels"] = kernel_table(lambda fn=fn, x=x: fn(*x), args.reps, args.kernels)
                         rows.append(row)
                         print(
                             f"| {heads} | {shape.cache} | {batch} | {t} | {ns} ({label}) | {row['programs']} | "
@@ -107,6 +114,8 @@ def main(argv=None):
                             f"{'-' if err is None else f'{err:.2e}'} |",
                             flush=True,
                         )
+                        for k in row.get("kernels", {}).get("top", ()):
+                            print(f"|   | {k['kernel'][:60]} | {k['launches']:.0f} | {1e3 * k['ms']:.1f} us |")
                         if args.out:
                             with open(args.out, "w") as f:
                                 json.dump(rows, f, indent=1)

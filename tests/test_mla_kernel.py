@@ -81,6 +81,8 @@ def _mosaic(*args, scale, **tiles):
         (2, 3, 5, 256, [100, 0], 3, jnp.bfloat16),
         (1, 1, 128, 128, [128], None, jnp.float32),  # AR decode at 128 heads: two query tiles, the full cache
         (3, 2, 1, 192, [1, 64, 191], 2, jnp.float32),  # one head; lengths at and next to tile edges
+        # one split of 6 blocks: the 2-slot ring refilled (5 and 3 steps for the two lengths)
+        (2, 2, 3, 384, [300, 130], 1, jnp.float32),
     ],
 )
 def test_mosaic_matches_reference(b, t, n, s, lens, splits, dtype):
