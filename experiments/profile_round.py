@@ -11,8 +11,10 @@ the cache (random ids, so the in-loop tau is low; the round's cost depends on th
 not on tau).
 
 `--kernels N` also traces both loops (GPU): kernels launched and their device time per
-round, and the N largest. `--set MODULE.NAME=VALUE` overrides a module constant first, so
-one call can profile a change on and off, e.g.
+round, and the N largest; `--stage-kernels N` the same for each stage alone, and
+`--stage-hlo DIR` writes each stage's compiled HLO (its fusions are the kernels' names).
+`--set MODULE.NAME=VALUE` overrides a module constant first, so one call can profile a
+change on and off, e.g.
 `--set ddtree_jax.generate.HOIST_LOOP_INVARIANTS=False ddtree_jax.tree.TOP_K_CHUNK=0`.
 """
 
@@ -38,8 +40,13 @@ from ddtree_jax.pallas.bench_util import kernel_table
 from ddtree_jax.sampling import SamplingConfig
 
 
-def per_call(fn, args, reps: int, repeats: int = 3) -> float:
-    """Median seconds per call of fn(*args) over `reps` calls chained in a fori_loop."""
+def per_call(fn, args, reps: int, repeats: int = 3, kernels: int = 0, hlo: str | None = None):
+    """(median seconds per call of fn(*args) over `reps` calls chained in a fori_loop, kernel table).
+
+    With `kernels` > 0 the chained calls are also traced (`bench_util.kernel_table`, per call
+    of fn; GPU), else the table is None. `hlo`: a file for the compiled program's HLO text,
+    whose fusion names are the kernel names of the table.
+    """
 
     @jax.jit
     def looped(args):
@@ -52,7 +59,11 @@ def per_call(fn, args, reps: int, repeats: int = 3) -> float:
 
         return jax.lax.fori_loop(0, reps, body, args)
 
-    return time_call(lambda: looped(args), repeats)[0] / reps
+    if hlo:
+        with open(hlo, "w") as f:
+            f.write(looped.lower(args).compile().as_text())
+    seconds = time_call(lambda: looped(args), repeats)[0] / reps
+    return seconds, kernel_table(lambda: looped(args), 1, kernels, per=reps) if kernels else None
 
 
 def in_loop(
@@ -116,12 +127,18 @@ def main():
         "--kernels", type=int, default=0, help="also trace the loops: kernels per round and the N largest (GPU)"
     )
     _settings.add_argument(ap)
+    ap.add_argument(
+        "--stage-kernels", type=int, default=0, help="also trace each stage alone: its kernels and the N largest (GPU)"
+    )
+    ap.add_argument("--stage-hlo", default=None, help="write each stage's compiled HLO text to this folder")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.xla_flags:  # read when the backend starts: the first device use below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     model.UNROLL_MAX_LAYERS = args.unroll_max_layers
+    if args.stage_hlo:
+        os.makedirs(args.stage_hlo, exist_ok=True)
     _settings.apply(args.set)
 
     dtype = jnp.dtype(args.dtype)
@@ -141,7 +158,15 @@ def main():
     target, d = for_loop(target, d, resolve_numerics(None, target.dtype, "auto"), "auto")
     greedy = SamplingConfig()
     key = jax.random.key(0)
-    rows = []
+    rows, stage_tables = [], {}
+
+    def stage(b, name, fn, stage_args):
+        """per_call with this run's stage options; keeps the stage's kernel table."""
+        hlo = os.path.join(args.stage_hlo, f"b{b}_{name}.hlo.txt") if args.stage_hlo else None
+        seconds, table = per_call(fn, stage_args, args.reps, kernels=args.stage_kernels, hlo=hlo)
+        stage_tables[b, name] = table
+        return seconds
+
     for b in args.batch_sizes:
         rng = np.random.default_rng(0)
         cap = args.context + 64
@@ -158,25 +183,28 @@ def main():
             out = decode.verify(target, cache, decode.build_tree("ar", None, roots, 0))
             return decode.target_choices(target, out.hidden, key, greedy)[0]
 
-        t_ar = per_call(ar_step, (cache, roots), args.reps)
+        t_ar = stage(b, "ar_step", ar_step, (cache, roots))
         loop_prompts = np.asarray(prompt)
         t_ar_loop, ar_kernels, t_ar_one = in_loop(
             target, dparams, loop_prompts, "ar", None, args.loop_tokens, kernels=args.kernels
         )
         draft_fn = lambda st, cache, roots: d.propose(st, target, cache, roots, key)  # noqa: E731
-        t_draft = per_call(draft_fn, (dstate, cache, roots), args.reps)
+        t_draft = stage(b, "draft", draft_fn, (dstate, cache, roots))
         logits = jax.jit(draft_fn)(dstate, cache, roots)
         for budget in args.budgets:
             tree = jax.jit(decode.build_tree, static_argnums=(0, 3))("ddtree", logits, roots, budget)
-            t_tree = per_call(
-                lambda lg, r, budget=budget: decode.build_tree("ddtree", lg, r, budget), (logits, roots), args.reps
+            t_tree = stage(
+                b,
+                f"tree{budget}",
+                lambda lg, r, budget=budget: decode.build_tree("ddtree", lg, r, budget),
+                (logits, roots),
             )
 
             def verify(cache, tree):
                 out = decode.verify(target, cache, tree, tap_layers=d.tap_layers)
                 return decode.target_choices(target, out.hidden, key, greedy)[0], out
 
-            t_verify = per_call(lambda c, t: verify(c, t)[0], (cache, tree), args.reps)
+            t_verify = stage(b, f"verify{budget}", lambda c, t: verify(c, t)[0], (cache, tree))
             choices, out = jax.jit(verify)(cache, tree)
 
             def finish(cache, dstate, tree, choices, out):
@@ -188,7 +216,7 @@ def main():
                 )
                 return new_cache.lengths, st
 
-            t_finish = per_call(finish, (cache, dstate, tree, choices, out), args.reps)
+            t_finish = stage(b, f"accept_commit{budget}", finish, (cache, dstate, tree, choices, out))
             t_round_loop, round_kernels, t_round_one = in_loop(
                 target, dparams, loop_prompts, "ddtree", budget, args.loop_tokens, kernels=args.kernels
             )
@@ -210,6 +238,9 @@ def main():
             row["ar_call_ms"], row["round_call_ms"] = t_ar_one * 1e3, t_round_one * 1e3
             if args.kernels:
                 row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels
+            if args.stage_kernels:
+                names = ("ar_step", "draft", f"tree{budget}", f"verify{budget}", f"accept_commit{budget}")
+                row["stage_kernels"] = {n.removesuffix(str(budget)): stage_tables[b, n] for n in names}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\ndevice {jax.devices()[0].device_kind}, {args.dtype}, context {args.context}, per call (ms)")
@@ -224,6 +255,14 @@ def main():
             f"{r['verify_ms']:.3f} | {r['accept_commit_ms']:.3f} | {r['sum_ms']:.3f} | {r['sum_over_ar']:.2f} | "
             f"{r['ar_in_loop_ms']:.3f} | {r['round_in_loop_ms']:.3f} | {r['round_over_ar_in_loop']:.2f} |"
         )
+    for r in rows:
+        for name, k in r.get("stage_kernels", {}).items():
+            print(
+                f"\nbatch {r['batch']} budget {r['budget']}, stage {name} alone: {k['kernels']:.0f} kernels, "
+                f"{k['kernel_ms']:.3f} ms of kernels a call\n| kernel | ms / call | launches / call |"
+            )
+            for t in k["top"]:
+                print(f"| {t['kernel'][:80]} | {t['ms']:.4f} | {t['launches']:.1f} |")
     for r in rows if args.kernels else ():
         for name in ("ar", "round"):
             k = r[f"{name}_kernels"]

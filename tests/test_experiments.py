@@ -357,10 +357,13 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
         "profile_round.py",
         *("--checkpoints", tiny_pair),
         *("--batch-sizes", "1", "--budgets", "8", "--context", "16", "--reps", "2"),
-        *("--loop-tokens", "8", "--dtype", "float32", "--out", out),
+        *("--loop-tokens", "8", "--dtype", "float32", "--out", out, "--stage-hlo", tmp_path / "hlo"),
     )
     assert res.returncode == 0, res.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
+    hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+    assert hlo == [f"b1_{n}.hlo.txt" for n in ("accept_commit8", "ar_step", "draft", "tree8", "verify8")]
+    assert "HloModule" in (tmp_path / "hlo" / "b1_draft.hlo.txt").read_text()
     stages = ("draft_ms", "tree_ms", "verify_ms", "accept_commit_ms")
     assert all(row[k] > 0 for k in (*stages, "ar_step_ms"))
     # The in-loop figures are differences of two timed calls: on a busy CI CPU they may come out
