@@ -192,6 +192,11 @@ def _check_args(args):
         sys.exit(f"error: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if getattr(args, "limit", None) is not None and args.limit < 1:
         sys.exit(f"error: --limit must be >= 1, got {args.limit}")
+    out = getattr(args, "out", None)
+    if out is not None:  # before the run: the results would otherwise be lost at its end
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder) or os.path.isdir(out):
+            sys.exit(f"error: --out {out!r} is not a file path in an existing folder")
 
 
 def generate_cmd(args) -> None:
@@ -472,6 +477,8 @@ def main(argv=None) -> None:
     }
     if args.command == "demo" and args.batch < 1:
         ap.error(f"--batch must be >= 1, got {args.batch}")
+    if not 0 <= getattr(args, "seed", 0) < 2**32:  # jax.random.key keeps 32 bits: 2**32 would sample as seed 0
+        sys.exit(f"error: --seed must be in [0, 2**32), got {args.seed}")
     try:
         commands[args.command](args)
     except EXPECTED_ERRORS as e:  # the library's errors name the value: one line, no traceback

@@ -20,6 +20,22 @@ class ConfigError(ValueError):
     """A configuration the engine cannot run, with the offending field named."""
 
 
+def _is_int(value: Any) -> bool:
+    """An int and not a bool (JSON's true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(name: str, value: Any) -> float:
+    """`value` as a float; ConfigError naming `name` unless it is a number (float("abc") would not name it)."""
+    if not _is_number(value):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class YarnConfig:
     """YaRN RoPE scaling, as HF's `rope_scaling` / `rope_parameters` with type "yarn"."""
@@ -34,12 +50,18 @@ class YarnConfig:
     truncate: bool = True
 
     def __post_init__(self):
-        if not self.factor > 0:
-            raise ConfigError(f"yarn factor must be > 0, got {self.factor}")
-        if self.original_max_position_embeddings < 1:
-            raise ConfigError(
-                f"yarn original_max_position_embeddings must be >= 1, got {self.original_max_position_embeddings}"
-            )
+        if not (_is_number(self.factor) and self.factor > 0):
+            raise ConfigError(f"yarn factor must be > 0, got {self.factor!r}")
+        orig = self.original_max_position_embeddings
+        if not (_is_int(orig) and orig >= 1):
+            raise ConfigError(f"yarn original_max_position_embeddings must be an int >= 1, got {orig!r}")
+        for name in ("beta_fast", "beta_slow"):
+            if not _is_number(getattr(self, name)):
+                raise ConfigError(f"yarn {name} must be a number, got {getattr(self, name)!r}")
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and not _is_number(value):
+                raise ConfigError(f"yarn {name} must be None or a number, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +118,23 @@ class TargetConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ConfigError(f"q_lora_rank must be None or >= 1, got {self.q_lora_rank}")
+        # Counts that may be 0 (no MoE layers): a float or a string here would fail later, deep in a shape.
+        counts = (
+            "moe_intermediate_size",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "n_group",
+            "topk_group",
+            "first_k_dense_replace",
+        )
+        for name in counts:
+            if not _is_int(getattr(self, name)):
+                raise ConfigError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.q_lora_rank is not None and not (_is_int(self.q_lora_rank) and self.q_lora_rank >= 1):
+            raise ConfigError(f"q_lora_rank must be None or an int >= 1, got {self.q_lora_rank!r}")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
@@ -109,14 +144,17 @@ class TargetConfig:
             )
         if self.num_moe_layers:
             self._validate_moe()
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value > 0):
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        r = self.routed_scaling_factor
+        if not (_is_number(r) and math.isfinite(r) and r > 0):
+            raise ConfigError(f"routed_scaling_factor must be finite and > 0, got {r!r}")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
-                raise ConfigError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+            if value is not None and not (_is_int(value) and 0 <= value < self.vocab_size):
+                raise ConfigError(f"{name}={value!r} is not a token id in the vocabulary [0, {self.vocab_size})")
 
     def _validate_moe(self):
         e, k = self.n_routed_experts, self.num_experts_per_tok
@@ -227,9 +265,13 @@ class TargetConfig:
         """
         from ddtree_jax.compressed import expert_group_size
 
+        if not isinstance(hf, dict):
+            raise ConfigError(f"an HF config must be a JSON object, got {type(hf).__name__}")
         group_size = expert_group_size(hf)
         if "text_config" in hf and "hidden_size" not in hf:
             hf = hf["text_config"]
+            if not isinstance(hf, dict):
+                raise ConfigError(f"text_config must be a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not supported (want one of {SUPPORTED_MODEL_TYPES})")
@@ -271,6 +313,12 @@ class TargetConfig:
                 value = defaults.get(name, fallback)
             return value
 
+        def flag(name):  # bool("false") would be True
+            value = get(name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be true or false, got {value!r}")
+            return value
+
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -283,20 +331,20 @@ class TargetConfig:
             n_shared_experts=get("n_shared_experts"),
             n_group=get("n_group"),
             topk_group=get("topk_group"),
-            routed_scaling_factor=float(get("routed_scaling_factor")),
-            norm_topk_prob=bool(get("norm_topk_prob")),
+            routed_scaling_factor=_number("routed_scaling_factor", get("routed_scaling_factor")),
+            norm_topk_prob=flag("norm_topk_prob"),
             first_k_dense_replace=get("first_k_dense_replace"),
             q_lora_rank=hf.get("q_lora_rank"),
             kv_lora_rank=get("kv_lora_rank"),
             qk_nope_head_dim=get("qk_nope_head_dim"),
             qk_rope_head_dim=get("qk_rope_head_dim"),
             v_head_dim=get("v_head_dim"),
-            rms_norm_eps=float(get("rms_norm_eps")),
+            rms_norm_eps=_number("rms_norm_eps", get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=yarn,
-            rope_interleave=bool(get("rope_interleave")),
+            rope_interleave=flag("rope_interleave"),
             max_position_embeddings=get("max_position_embeddings"),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            tie_word_embeddings=flag("tie_word_embeddings"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             expert_int4_group_size=group_size,
@@ -337,12 +385,15 @@ def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnCon
     `rope_parameters`.
 
     Raises:
-      ConfigError: a RoPE type other than default and yarn.
+      ConfigError: a RoPE type other than default and yarn, or a malformed field (named).
     """
-    rope = dict(hf.get("rope_parameters") or {})
+    rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
-    rope.update(scaling)
+    for name, value in (("rope_parameters", rope), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a JSON object, got {value!r}")
+    theta = _number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    rope = {**rope, **scaling}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -350,13 +401,19 @@ def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnCon
         raise ConfigError(f"rope type {rope_type!r} is not supported (only default and yarn)")
     orig = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
     factor = rope.get("factor")
-    if factor is None:
-        factor = hf["max_position_embeddings"] / orig
+    if factor is None:  # HF's default: the context extension max / original
+        longest = hf.get("max_position_embeddings")
+        if not (_is_int(longest) and _is_int(orig) and orig >= 1):
+            raise ConfigError(
+                f"yarn rope scaling without a factor needs max_position_embeddings and "
+                f"original_max_position_embeddings, got {longest!r} and {orig!r}"
+            )
+        factor = longest / orig
     return theta, YarnConfig(
-        factor=float(factor),
-        original_max_position_embeddings=int(orig),
-        beta_fast=float(rope.get("beta_fast") or 32.0),
-        beta_slow=float(rope.get("beta_slow") or 1.0),
+        factor=_number("yarn factor", factor),
+        original_max_position_embeddings=orig,
+        beta_fast=_number("yarn beta_fast", rope.get("beta_fast") or 32.0),
+        beta_slow=_number("yarn beta_slow", rope.get("beta_slow") or 1.0),
         mscale=rope.get("mscale"),
         mscale_all_dim=rope.get("mscale_all_dim"),
         attention_factor=rope.get("attention_factor"),
@@ -373,11 +430,14 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
     """A config.json as a dict; FileNotFoundError / ConfigError naming the file otherwise."""
     try:
         with open(path) as f:
-            return json.load(f)
+            hf = json.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"no config.json at {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -353,8 +353,12 @@ def eval_test_prompts(tok: Tokenizer, data_dir: str | os.PathLike) -> list[list[
     the stdlib's test split with `tok` (the same stream when `tok` is the data's tokenizer).
     """
     path = os.path.join(data_dir, "test.npy")
-    stream = np.load(path) if os.path.exists(path) else tokenize_split(tok, "test")
-    return prompt_windows(stream, TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
+    if not os.path.exists(path):
+        return prompt_windows(tokenize_split(tok, "test"), TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
+    try:  # numpy's errors on a damaged file name no file
+        return prompt_windows(np.load(path), TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
+    except ValueError as e:
+        raise ValueError(f"test prompt set from {path}: {e}") from None
 
 
 def prompt_windows(tokens: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:

@@ -298,7 +298,10 @@ def _as_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.
             raise ValueError("prompts is empty: pass at least one prompt")
         rows = []
         for i, row in enumerate(prompts):
-            arr = np.asarray(row)
+            try:
+                arr = np.asarray(row)
+            except ValueError:  # numpy's "inhomogeneous shape" names no prompt
+                raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, got {row!r}") from None
             if arr.ndim != 1:
                 raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, got shape {arr.shape}")
             if arr.size and not np.issubdtype(arr.dtype, np.integer):
@@ -311,19 +314,28 @@ def _as_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.
         for i, r in enumerate(rows):
             padded[i, : len(r)] = r
     else:
-        padded = np.asarray(prompts)
+        try:
+            padded = np.asarray(prompts)
+        except ValueError:  # ragged rows
+            raise ValueError("prompts must be a list of token-id lists or a [batch, length] array of ids") from None
         if padded.ndim == 1:
             padded = padded[None]
         if padded.ndim != 2:
             raise ValueError(f"prompts must be [batch, length] token ids, got shape {padded.shape}")
         if not np.issubdtype(padded.dtype, np.integer):
             raise TypeError(f"prompt token ids must be integers, got dtype {padded.dtype}")
+        if padded.shape[0] == 0:
+            raise ValueError("prompts is empty: pass at least one prompt")
         if prompt_lengths is None:
             lengths = np.full((padded.shape[0],), padded.shape[1], np.int64)
         else:
-            lengths = np.asarray(prompt_lengths).astype(np.int64).reshape(-1)
-            if lengths.shape != (padded.shape[0],):
+            lengths = np.asarray(prompt_lengths)
+            # astype(int64) would truncate 2.7 to 2 and read "3" or True as a length
+            if lengths.size and not np.issubdtype(lengths.dtype, np.integer):
+                raise TypeError(f"prompt_lengths must be integers, got {prompt_lengths!r} (dtype {lengths.dtype})")
+            if lengths.ndim > 1 or lengths.size != padded.shape[0]:
                 raise ValueError(f"prompt_lengths has shape {lengths.shape}, expected ({padded.shape[0]},)")
+            lengths = lengths.astype(np.int64).reshape(-1)
     for i, n in enumerate(lengths):
         if n < 1:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
@@ -341,6 +353,19 @@ def _as_batch(prompts, prompt_lengths, vocab_size: int) -> tuple[np.ndarray, np.
 def _greedy_key() -> jax.Array:
     """The key of a greedy call (no draw uses it), made once: making it is a device computation."""
     return jax.random.key(0)
+
+
+def _check_key(key: Any) -> None:
+    """TypeError unless `key` is one PRNG key: a typed key array of shape () or a raw uint32 key
+    (`jax.random.PRNGKey`); JAX would otherwise fail inside the jitted loop, naming no argument."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape == ():
+            return
+    elif dtype == np.uint32 and shape is not None and len(shape) == 1:
+        return
+    got = repr(key) if dtype is None else f"an array of shape {shape}, dtype {dtype}"
+    raise TypeError(f"key must be one PRNG key (e.g. jax.random.key(0)), got {got}")
 
 
 def check_positions(cfg: TargetConfig, prompt_lengths, max_new_tokens: int) -> None:
@@ -484,6 +509,8 @@ def _run(
     if prompts is None:
         raise ValueError("no prompts given")
     budget = 0
+    if tree_budget is not None:  # checked for every method: a bad budget is a bug even where unused
+        check_budget(tree_budget)
     tree_temperature = check_tree_temperature(tree_temperature)
     if block_size is not None:
         check_int("block_size", block_size)
@@ -497,13 +524,13 @@ def _run(
             drafter.params.config.check_compatible(cfg)
         if method == "ddtree":
             budget = DEFAULT_BUDGET if tree_budget is None else tree_budget
-            check_budget(budget)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=1)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     if not sampling.greedy and key is None:
         raise ValueError(f"temperature={temperature} samples: pass a PRNG key, e.g. key=jax.random.key(0)")
     if key is None:
         key = _greedy_key()
+    _check_key(key)
     ids, lengths = _as_batch(prompts, prompt_lengths, cfg.vocab_size)
     if stop_token_ids is None:
         stop_token_ids = () if cfg.eos_token_id is None else (cfg.eos_token_id,)

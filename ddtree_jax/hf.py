@@ -79,6 +79,8 @@ class Reader:
                 key = raw
                 for prefix in prefixes:
                     key = key.removeprefix(prefix)
+                if key in self.where:  # else the last file read would silently win
+                    raise CheckpointError(f"weight {key!r} is stored twice: in {self.where[key][0]} and {file}")
                 self.where[key] = (file, raw)
         self.used: set[str] = set()
         self._last: tuple | None = None
@@ -118,6 +120,9 @@ class Reader:
             a = handle.get_tensor(raw) if index is None else handle.get_slice(raw)[index]
         except (SafetensorError, OSError, TypeError, ValueError) as e:
             raise CheckpointError(f"weight {name!r} in {file} cannot be read ({e})") from None
+        if dtype is not None and not _readable_as(a.dtype, np.dtype(dtype)):
+            kind = "a float dtype" if jnp.issubdtype(dtype, jnp.floating) else np.dtype(dtype).name
+            raise CheckpointError(f"weight {name!r} in {file} is stored as {a.dtype}, expected {kind}")
         if self.check_finite and (bad := nonfinite_message(a, f"weight {name!r} in {file}")):
             raise CheckpointError(f"{bad}; pass check_finite=False to load it anyway")
         if dtype is None or a.dtype == dtype:
@@ -143,6 +148,15 @@ class Reader:
             shown = ", ".join(repr(k) for k in extra[:5])
             more = " ..." if len(extra) > 5 else ""
             raise CheckpointError(f"{len(extra)} unexpected weight(s) in {self.path}: {shown}{more}")
+
+
+def _readable_as(stored: np.dtype, wanted: np.dtype) -> bool:
+    """Whether a tensor stored as `stored` reads as `wanted` without changing its meaning: a float
+    weight from any float (a cast), integers (INT4 words, shapes) from an integer type that
+    `wanted` holds exactly (a float or a wider integer cast would silently change the values)."""
+    if jnp.issubdtype(wanted, jnp.floating):
+        return jnp.issubdtype(stored, jnp.floating)
+    return jnp.issubdtype(stored, jnp.integer) and np.can_cast(stored, wanted)
 
 
 def _names(h: HFTensor, layer: int | None, experts: int) -> list[str]:

@@ -36,6 +36,8 @@ def load_shipped(
     Raises:
       FileNotFoundError: the folder or one of its parts is missing (named).
       CheckpointError: a weight is missing, mis-shaped or (with check_finite) NaN / Inf.
+      ConfigError: a config the engine does not support, or a drafter made for another target.
+      ValueError: a tokenizer whose vocabulary is not the target's.
     """
     root = checkpoints_dir(path)
     if not os.path.isdir(root):
@@ -51,4 +53,6 @@ def load_shipped(
     draft = dflash.load_drafter(parts["drafter"], dtype=dtype, check_finite=check_finite) if need_drafter else None
     if target.config.vocab_size != tok.vocab_size:
         raise ValueError(f"tokenizer vocab {tok.vocab_size} != target vocab {target.config.vocab_size}")
+    if draft is not None:  # at load, not at the first drafted generate call
+        draft.config.check_compatible(target.config)
     return Shipped(target=target, drafter=draft, tokenizer=tok)

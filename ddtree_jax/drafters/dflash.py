@@ -245,6 +245,8 @@ class DrafterConfig:
         Raises:
             ConfigError: on a missing key or a feature the drafter does not support.
         """
+        if not isinstance(hf, dict):
+            raise ConfigError(f"a DFlash config must be a JSON object, got {type(hf).__name__}")
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -252,6 +254,8 @@ class DrafterConfig:
             raise ConfigError("attention_bias=True is not supported")
         rope_theta, yarn = parse_rope(hf, 1e6)
         dflash = hf.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ConfigError(f"dflash_config must be a JSON object, got {dflash!r}")
         dflash2 = sorted({"selector_rank", "conv_kernel_size"} & ({*hf, *dflash}))
         if "DFlash2DraftModel" in (hf.get("architectures") or ()) or dflash2:
             raise ConfigError(
