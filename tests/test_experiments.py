@@ -644,3 +644,47 @@ def test_k2_shard_projection_reads_measured_allreduces(tmp_path):
     assert [at(t) * 1e3 for t in (1, 2, 17, 33, 65)] == pytest.approx([0.01, 0.02, 0.02, 0.04, 0.04])
     with pytest.raises(SystemExit, match="no bf16 all-reduce of width 64"):
         measured_allreduce(str(path), 64)
+
+
+def _experiment(name):
+    if os.path.join(REPO, "experiments") not in sys.path:
+        sys.path.insert(0, os.path.join(REPO, "experiments"))
+    return importlib.import_module(name)
+
+
+def test_tree_replay_counts_rounds_along_the_text():
+    """Drafts that hold the text's next 3 tokens as their likeliest, then wrong ones: every
+    round emits 3 drafts + the bonus, under any policy and budget; none right: one token a round."""
+    replay = _experiment("tree_replay")
+    d, v, new = 15, 50, 20
+    seq = np.asarray([7, 8] + [int(t) for t in np.random.default_rng(0).integers(4, v, new)])
+    start = 2
+    logits = np.full((new, d, v), -5.0, np.float32)
+    for r in range(new):
+        for depth in range(d):
+            at = start + r + depth + 1
+            right = depth < 3 and at < len(seq)
+            logits[r, depth, seq[at] if right else (seq[at] + 1) % v if at < len(seq) else 0] = 5.0
+    for budget, policy in ((4, "1"), (12, "0.8:1")):
+        temps = replay.depth_temperatures(policy, d)
+        assert replay.replay(jnp.asarray(logits), seq, start, new, budget, temps) == -(-(new - 1) // 4)
+    wrong = np.roll(logits, 1, axis=2)  # every likeliest token shifted off the text
+    assert replay.replay(jnp.asarray(wrong), seq, start, new, 4, replay.depth_temperatures("1", d)) == new - 1
+
+
+def test_tree_replay_script_and_policies(tiny_pair, tmp_path):
+    replay = _experiment("tree_replay")
+    np.testing.assert_allclose(replay.depth_temperatures("0.8:0.5", 4), [0.8, 0.7, 0.6, 0.5], rtol=1e-6)
+    for bad in ("0", "a", "1:2:3", "-1:1"):
+        with pytest.raises(ValueError, match="policy"):
+            replay.depth_temperatures(bad, 4)
+    out = tmp_path / "replay.json"
+    res = run_script(
+        "tree_replay.py",
+        *("--checkpoints", tiny_pair, "--prompts", "humaneval", "--limit", "2", "--max-new-tokens", "6"),
+        *("--budgets", "4", "--policies", "1", "0.5:1", "--out", out),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["budget"], r["policy"]) for r in rows] == [(4, "1"), (4, "0.5:1")]
+    assert all(1.0 <= r["tau"] <= 6.0 and r["rounds"] >= 2 for r in rows), rows
