@@ -50,7 +50,7 @@ def main():
                 t0 = time.perf_counter()
                 jax.jit(fn).lower(logits, roots).compile()
                 compile_s = time.perf_counter() - t0
-                ms = per_call(fn, (logits, roots), args.reps) * 1e3
+                ms = per_call(fn, (logits, roots), args.reps)[0] * 1e3
                 row = {
                     "batch": b,
                     "budget": budget,
