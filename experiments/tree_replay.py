@@ -81,7 +81,7 @@ def _round_impl(logits, root, truth, budget):
 _round = jax.jit(_round_impl, static_argnums=(3,))
 
 
-def replay(logits: np.ndarray, seq: np.ndarray, start: int, new_tokens: int, budget: int, temps: np.ndarray):
+def replay(logits: jax.Array, seq: np.ndarray, start: int, new_tokens: int, budget: int, temps: np.ndarray):
     """Rounds that emit `new_tokens` tokens (the first from the prefill) under one policy."""
     d = logits.shape[1]
     scaled = jnp.asarray(logits) / jnp.asarray(temps)[None, :, None]
