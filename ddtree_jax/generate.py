@@ -25,7 +25,7 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.checks import check_dtype, check_int
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
-from ddtree_jax.model import TargetParams, append, hoist_layers, logits
+from ddtree_jax.model import TargetParams, append, check_params, hoist_layers, logits
 from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.pallas import IMPLEMENTATIONS
 from ddtree_jax.sampling import SamplingConfig, choose
@@ -500,6 +500,7 @@ def _run(
         drafter, prompts = None, drafter
     if not isinstance(target, TargetParams):
         raise TypeError(f"target must be TargetParams, got {type(target).__name__}")
+    check_params(target)
     cfg = target.config
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")

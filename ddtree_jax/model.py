@@ -134,6 +134,37 @@ class ForwardOutput:
     expert_counts: jax.Array | None = None  # [Lm, E] tokens routed to each expert (when asked)
 
 
+def check_params(params: TargetParams) -> None:
+    """Raises ValueError, naming the array, unless the embedding, the unembedding and each layer
+    stack's layer count and attention projections have the shapes `params.config` gives (a config
+    put on other weights would otherwise fail deep inside XLA). Reads a few shapes, no array."""
+    cfg = params.config
+    h, v = cfg.hidden_size, cfg.vocab_size
+
+    def want(name, shape, expected):
+        if tuple(shape) != tuple(expected):
+            raise ValueError(f"params.{name} has shape {tuple(shape)}, but params.config gives {tuple(expected)}")
+
+    want("embed", params.embed.shape, (v, h))
+    if params.lm_head is not None:
+        want("lm_head", params.lm_head.shape, (h, v))
+    for name, stack, n in (
+        ("dense_layers", params.dense_layers, cfg.first_k_dense_replace),
+        ("moe_layers", params.moe_layers, cfg.num_moe_layers),
+    ):
+        if stack is None or n == 0:
+            if (stack is None) != (n == 0):
+                raise ValueError(f"params.{name} is {'None' if stack is None else 'set'}, but params.config has {n}")
+            continue
+        layer = layer_structure(stack)
+        lead = () if isinstance(stack, Unstacked) else (n,)
+        count = len(stack) if isinstance(stack, Unstacked) else layer.attn_norm.shape[0]
+        if count != n:
+            raise ValueError(f"params.{name} holds {count} layers, but params.config has {n}")
+        want(f"{name}.attn.kv_a", layer.attn.kv_a.shape, (*lead, h, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+        want(f"{name}.attn.o", layer.attn.o.shape, (*lead, cfg.num_attention_heads, cfg.v_head_dim, h))
+
+
 # ----------------------------------------------------------------------------------
 # Weight declarations (weights.py): init, abstract shapes, sharding and HF I/O derive from them.
 

@@ -218,3 +218,28 @@ def test_a_dflash_config_that_is_no_object_is_named(bad):
     hf["dflash_config"] = bad
     with pytest.raises(ConfigError, match="dflash_config must be a JSON object"):
         dflash.DrafterConfig.from_hf_config(hf)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(hidden_size=32), r"params\.embed has shape \(256, 64\), but params\.config gives \(256, 32\)"),
+        (dict(num_hidden_layers=4), r"params\.moe_layers holds 2 layers, but params\.config has 3"),
+        (dict(kv_lora_rank=16), r"params\.dense_layers\.attn\.kv_a has shape \(1, 64, 40\), but .* \(1, 64, 24\)"),
+    ],
+)
+def test_a_config_put_on_other_weights_is_named(params, change, match):
+    """Before: "Incompatible shapes for broadcasting" from inside the jitted loop."""
+    import dataclasses
+
+    wrong = params.replace(config=dataclasses.replace(params.config, **change))
+    with pytest.raises(ValueError, match=match):
+        generate(wrong, [[1, 2, 3]], max_new_tokens=2)
+
+
+def test_layers_split_before_the_loop_pass_the_check(params):
+    hoisted = model.hoist_layers(params, "fast")
+    assert type(hoisted.moe_layers).__name__ == "Unstacked"
+    model.check_params(hoisted)
+    want = generate(params, [[1, 2, 3]], max_new_tokens=3, numerics="fast").to_lists()
+    assert generate(hoisted, [[1, 2, 3]], max_new_tokens=3, numerics="fast").to_lists() == want
