@@ -59,11 +59,12 @@ def per_call(fn, args, reps: int, repeats: int = 3, kernels: int = 0, hlo: str |
 
         return jax.lax.fori_loop(0, reps, body, args)
 
+    compiled = looped.lower(args).compile()  # one compile serves the HLO text, the timing and the trace
     if hlo:
         with open(hlo, "w") as f:
-            f.write(looped.lower(args).compile().as_text())
-    seconds = time_call(lambda: looped(args), repeats)[0] / reps
-    return seconds, kernel_table(lambda: looped(args), 1, kernels, per=reps) if kernels else None
+            f.write(compiled.as_text())
+    seconds = time_call(lambda: compiled(args), repeats)[0] / reps
+    return seconds, kernel_table(lambda: compiled(args), 1, kernels, per=reps) if kernels else None
 
 
 def in_loop(
