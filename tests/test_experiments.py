@@ -688,3 +688,15 @@ def test_tree_replay_script_and_policies(tiny_pair, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["budget"], r["policy"]) for r in rows] == [(4, "1"), (4, "0.5:1")]
     assert all(1.0 <= r["tau"] <= 6.0 and r["rounds"] >= 2 for r in rows), rows
+
+
+def test_mla_splits_runs_each_split_count_once(tmp_path):
+    """mla_splits.py in interpret mode (shrunk cache of 4 blocks): the two built-in choices agree
+    (4 splits) and run once under both labels; --splits adds 1 split (4 blocks a split, the
+    2-slot ring refilled); every output checked against the XLA path."""
+    out = tmp_path / "splits.json"
+    shape = ["--smoke", "--heads", "8", "--contexts", "16384", "--batches", "1", "--tokens", "1"]
+    _experiment("mla_splits").main([*shape, "--splits", "1", "4", "--reps", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["choice"], r["splits"]) for r in rows] == [("one wave = wave-aware = 4 splits", 4), ("1 splits", 1)]
+    assert all(r["max_abs_err"] < 5e-3 for r in rows), rows
