@@ -17,6 +17,11 @@ import tempfile
 # inherit it (`xla_flags`).
 if not os.path.exists("/dev/nvidia0") and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=1".strip()
+# The MLA kernel's new-token split deadlocks Mosaic GPU's interpreter under XLA:CPU's default
+# scheduler (mosaic.INTERPRET_NEW_FLAG).
+if not os.path.exists("/dev/nvidia0") and "concurrency_optimized_scheduler" not in os.environ.get("XLA_FLAGS", ""):
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 import jax
 import numpy as np

@@ -62,6 +62,10 @@ def test_bench_smoke(capsys):
     bench.main(["--smoke", "--reps", "1", "--shapes", "kimi_k2_tp8_tree16"])
     out = capsys.readouterr().out
     assert "| kimi_k2_tp8_tree16 | xla |" in out and "| kimi_k2_tp8_tree16 | mosaic | skipped" in out
+    for bad in ("64,2", "64,2,0,1,5", "64,2,x", "64,2,0,-1"):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", "--mosaic-tiles", bad])
+    assert f"--mosaic-tiles '{bad}'" in capsys.readouterr().err
 
 
 # ---- the Mosaic GPU kernel, in Mosaic GPU's interpret mode ----------------------------------
@@ -75,29 +79,37 @@ def _mosaic(*args, scale, **tiles):
 
 
 @pytest.mark.parametrize(
-    ("b", "t", "n", "s", "lens", "splits", "dtype"),
+    ("b", "t", "n", "s", "lens", "splits", "dtype", "new_in_kernel"),
     [
         # ragged: a partial last tile, an empty cache, empty splits; bf16 operands
-        (2, 3, 5, 256, [100, 0], 3, jnp.bfloat16),
-        (1, 1, 128, 128, [128], None, jnp.float32),  # AR decode at 128 heads: two query tiles, the full cache
-        (3, 2, 1, 192, [1, 64, 191], 2, jnp.float32),  # one head; lengths at and next to tile edges
+        (2, 3, 5, 256, [100, 0], 3, jnp.bfloat16, 0),
+        (1, 1, 128, 128, [128], None, jnp.float32, 0),  # AR decode at 128 heads: two query tiles, the full cache
+        (3, 2, 1, 192, [1, 64, 191], 2, jnp.float32, 0),  # one head; lengths at and next to tile edges
         # one split of 6 blocks: the 2-slot ring refilled (5 and 3 steps for the two lengths)
-        (2, 2, 3, 384, [300, 130], 1, jnp.float32),
+        (2, 2, 3, 384, [300, 130], 1, jnp.float32, 0),
+        # The new tokens as the kernel's last split: the first case again (a row whose only keys
+        # are new ones), AR at 128 heads, and 70 tokens x 2 heads: 3 query tiles whose rows
+        # straddle tokens, 2 mask words a tile, the new split's 2 tiles.
+        (2, 3, 5, 256, [100, 0], 3, jnp.bfloat16, 64),
+        (1, 1, 128, 128, [128], None, jnp.float32, 1),
+        (1, 70, 2, 64, [40], None, jnp.float32, 70),
     ],
 )
-def test_mosaic_matches_reference(b, t, n, s, lens, splits, dtype):
+def test_mosaic_matches_reference(b, t, n, s, lens, splits, dtype, new_in_kernel):
     rng = np.random.default_rng(b * 10 + t)
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
     args = case(rng, b, t, n, 128, 64, s, lens, mask, dtype)
     want = mla_attention_reference(*args, 0.05)
-    got = _mosaic(*args, scale=0.05, num_splits=splits)
+    got = _mosaic(*args, scale=0.05, num_splits=splits, new_in_kernel=new_in_kernel)
     # bf16: partial outputs stored in bf16, one rounding of values of size ~1
     tol = dict(atol=3e-2, rtol=2e-2) if dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(got, want, **tol)
 
 
-def test_mosaic_with_a_real_129_node_tree():
-    """129 tree tokens (query rows past two tiles) under the mask of a built tree."""
+@pytest.mark.parametrize("new_in_kernel", [0, 129])
+def test_mosaic_with_a_real_129_node_tree(new_in_kernel):
+    """129 tree tokens (query rows past two tiles) under the mask of a built tree; in the
+    kernel, the tree's keys are 3 tiles (the 2-slot ring refilled) of 2 mask words each."""
     rng = np.random.default_rng(5)
     logits = jax.random.normal(jax.random.PRNGKey(1), (1, 15, 40))
     tree = build_ddtree(logits, jnp.zeros((1,), jnp.int32), 128)
@@ -105,17 +117,43 @@ def test_mosaic_with_a_real_129_node_tree():
     assert t == 129
     args = case(rng, 1, t, 1, 128, 64, 64, [37], tree.visibility)
     want = mla_attention_reference(*args, 0.05)
-    got = _mosaic(*args, scale=0.05, stages=1)
+    got = _mosaic(*args, scale=0.05, stages=1 if new_in_kernel == 0 else 2, new_in_kernel=new_in_kernel)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_mosaic_rows_whose_keys_all_lie_in_later_blocks():
+@pytest.mark.parametrize("new_in_kernel", [0, 12])
+def test_mosaic_rows_whose_keys_all_lie_in_later_blocks(new_in_kernel):
     """A diagonal mask: new token t sees only itself; with an empty cache row, its only key is
     the new one, after every cache tile."""
     rng = np.random.default_rng(3)
     t = 12
     args = case(rng, 2, t, 2, 128, 64, 64, [0, 9], jnp.eye(t, dtype=bool)[None].repeat(2, 0))
-    np.testing.assert_allclose(_mosaic(*args, scale=0.05), mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
+    got = _mosaic(*args, scale=0.05, new_in_kernel=new_in_kernel)
+    np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
+
+
+def test_mask_words_are_the_masks_bits():
+    """Row t * N + n's word w holds token t's visibility of keys 32 w .. 32 w + 31, after the
+    zero words every cache split reads; padded rows see nothing."""
+    from ddtree_jax.pallas.mla_attention.mosaic import _mask_words
+
+    rng = np.random.default_rng(7)
+    b, t, n, tp, qp, lead = 2, 40, 3, 64, 128, 2
+    mask = rng.uniform(size=(b, t, t)) < 0.5
+    words = np.asarray(_mask_words(jnp.asarray(mask), n, tp, qp, lead)).view(np.uint32)
+    assert words.shape == (b, lead + tp // 32, qp)
+    assert not words[:, :lead].any() and not words[:, :, t * n :].any()
+    bits = (words[:, lead:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [B, W, Qp, 32]
+    seen = bits.transpose(0, 2, 1, 3).reshape(b, qp, tp)[:, : t * n, :t].astype(bool)
+    np.testing.assert_array_equal(seen, np.repeat(mask, n, axis=1))
+
+
+def test_new_in_kernel_in_interpret_mode_names_the_flag_it_needs(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    rng = np.random.default_rng(0)
+    args = case(rng, 1, 1, 2, 128, 64, 64, [3], jnp.ones((1, 1, 1), bool))
+    with pytest.raises(ValueError, match="xla_cpu_enable_concurrency_optimized_scheduler=false"):
+        _mosaic(*args, scale=0.1, new_in_kernel=1)
 
 
 def test_mosaic_shapes_and_tiles_are_checked():
@@ -133,6 +171,8 @@ def test_mosaic_shapes_and_tiles_are_checked():
         MosaicMLATiles(stages=0)
     with pytest.raises(ValueError, match="num_splits"):
         MosaicMLATiles(num_splits=0)
+    with pytest.raises(ValueError, match="new_in_kernel must be an int >= 0, got -1"):
+        MosaicMLATiles(new_in_kernel=-1)
 
 
 def test_num_splits_ends_the_waves_soonest():
@@ -151,12 +191,23 @@ def test_num_splits_ends_the_waves_soonest():
     for programs, blocks in ((1, 1), (3, 64), (40, 2048), (132, 512), (7, 100)):
         ns = num_splits(1, programs, blocks, sms=132)
         assert 1 <= ns <= blocks
+    # The new tokens' split shares the waves: at batch 8, 16 cache splits would be 136 programs;
+    # 32 (264, two full waves of 16 blocks) beat 15 (one wave of 35). AR at batch 1 keeps 128
+    # (129 programs), a 17-token tree takes 14 (17 x 15 = 255).
+    assert num_splits(8, 1, 512, sms=132, new_blocks=1) == 32
+    assert num_splits(1, 1, 512, sms=132, new_blocks=1) == 128
+    assert num_splits(1, 17, 512, sms=132, new_blocks=1) == 14
 
 
-def test_generate_with_the_mosaic_kernels():
+@pytest.mark.parametrize("new_in_kernel", [0, 5])
+def test_generate_with_the_mosaic_kernels(new_in_kernel, monkeypatch):
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
-    interpret mode give the XLA path's tokens."""
+    interpret mode give the XLA path's tokens; with new_in_kernel 5 the prefill (4 tokens),
+    the AR steps and the trees (5 nodes) attend their own keys in the kernel."""
+    from ddtree_jax.pallas.mla_attention import api
     from tests.conftest import random_target, tiny
+
+    monkeypatch.setattr(api, "MOSAIC_NEW_IN_KERNEL", new_in_kernel)
 
     # Widths the kernels tile: R % 128, P % 64 (attention), H and I % 128 (experts).
     cfg = tiny(num_hidden_layers=2, hidden_size=128, moe_intermediate_size=128, kv_lora_rank=128, qk_rope_head_dim=64)

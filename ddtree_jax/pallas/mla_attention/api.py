@@ -17,6 +17,12 @@ from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
 AVAILABLE = ("auto", "xla", "exact", "pallas", "mosaic")
 
+MOSAIC_NEW_IN_KERNEL = 0
+"""`MosaicMLATiles.new_in_kernel` of the model's calls: the most new tokens whose keys the
+Mosaic kernel attends itself (else XLA computes their partial). 0 until timed on the H200
+against XLA's partial (`experiments/profile_round.py --set
+ddtree_jax.pallas.mla_attention.api.MOSAIC_NEW_IN_KERNEL=256`)."""
+
 
 def _mosaic_takes(q_lat, q_pe, cache_ckv) -> bool:
     """Whether the Mosaic kernel tiles these operands: a bf16 / f16 cache, R % 128, P % 64, S % block_k."""
@@ -111,7 +117,9 @@ def mla_attention(
         fn = lambda *a: mla_attention_exact(*a, scale, span)  # noqa: E731
         args, axes = (*args, positions), (*_AXES, ("batch", None))
     elif implementation == "mosaic":
-        fn, axes = functools.partial(mla_attention_mosaic, scale=scale, interpret=mosaic_interpret()), _AXES
+        tiles = MosaicMLATiles(new_in_kernel=MOSAIC_NEW_IN_KERNEL)
+        fn = functools.partial(mla_attention_mosaic, scale=scale, tiles=tiles, interpret=mosaic_interpret())
+        axes = _AXES
     else:
         fn, axes = functools.partial(mla_attention_reference, scale=scale), _AXES
     home, extra = sharding.cache_split(b)

@@ -47,6 +47,17 @@ def cost(shape: MLAShape) -> tuple[int, int]:
     return 2 * b * t * n * (s + t) * (2 * r + p), 2 * b * (s + t) * (r + p) + 2 * b * t * n * (2 * r + p)
 
 
+def _tiles(ap: argparse.ArgumentParser, spec: str) -> MosaicMLATiles:
+    """--mosaic-tiles' block_k,stages,num_splits[,new_in_kernel] (num_splits 0: chosen per shape)."""
+    try:
+        bk, st, ns, *nik = (int(v) for v in spec.split(","))
+        if len(nik) > 1:
+            raise ValueError("more than 4 fields")
+        return MosaicMLATiles(block_k=bk, stages=st, num_splits=ns or None, new_in_kernel=nik[0] if nik else 0)
+    except ValueError as e:
+        ap.error(f"--mosaic-tiles {spec!r}: want block_k,stages,num_splits[,new_in_kernel] ({e})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(MLA_SHAPES), choices=list(MLA_SHAPES))
@@ -56,11 +67,13 @@ def main(argv=None):
         "--mosaic-tiles",
         nargs="+",
         default=[f"{m.block_k},{m.stages},0"],
-        help="Mosaic tiles to try, each block_k,stages,num_splits (0: chosen per shape)",
+        help="Mosaic tiles to try, each block_k,stages,num_splits[,new_in_kernel] (num_splits 0: chosen "
+        "per shape; new_in_kernel, default 0: the most new tokens the kernel attends itself)",
     )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
+    tiles = {spec: _tiles(ap, spec) for spec in args.mosaic_tiles}
     print(f"device: {jax.devices()[0].device_kind}")
     print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -75,10 +88,8 @@ def main(argv=None):
         if "mosaic" in args.impl and args.smoke:
             print(f"| {name} | mosaic | skipped: the shrunk widths (R={r}, P={p}) are below its tiles |")
         elif "mosaic" in args.impl:
-            for spec in args.mosaic_tiles:
-                bk, st, ns = (int(v) for v in spec.split(","))
-                mt = MosaicMLATiles(block_k=bk, stages=st, num_splits=ns or None)
-                label = "mosaic" if len(args.mosaic_tiles) == 1 else f"mosaic {bk},{st},{ns}"
+            for spec, mt in tiles.items():
+                label = "mosaic" if len(tiles) == 1 else f"mosaic {spec}"
                 runs.append((label, jax.jit(lambda *a, mt=mt: mla_attention_mosaic(*a, scale=0.1, tiles=mt))))
         for impl, fn in runs:
             try:

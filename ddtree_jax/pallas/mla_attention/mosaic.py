@@ -18,10 +18,14 @@ The cache part runs in one `plgpu.kernel` on a grid (B, Q / BQ, NS) of three war
 
 Each program writes its normalized partial output (in the cache's dtype, through the
 query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
-The new tokens (T keys under the tree or causal mask) form one more partial computed
-in XLA; `_merge` combines all by log-sum-exp. Splits are sized so that the grid's waves
-over the SMs end soonest (`num_splits`). Slots at or past cache_len[b] are masked; whole tiles
-past it are never loaded.
+The new tokens (T keys under the tree or causal mask) form one more partial, combined
+with the cache's by log-sum-exp (`_merge`). Where T <= `MosaicMLATiles.new_in_kernel`
+it comes from the kernel itself: one more split per query tile streams the new keys
+(padded to Tp, a multiple of BK) through the same ring, masked by bits (row r's word w,
+bit j: key 32 w + j visible; one int32 word per 32 keys, loaded beside each tile), so
+that the whole call is the kernel and the merge. Otherwise XLA computes it (`_new_partial`).
+Splits are sized so that the grid's waves over the SMs end soonest (`num_splits`). Slots at
+or past cache_len[b] are masked; whole tiles past it are never loaded.
 
 The scores are computed by both compute warpgroups (the QK^T half of the FLOPs twice):
 simple, and free while the cache stream bounds the time (decode); it caps the
@@ -36,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +52,10 @@ from ddtree_jax.pallas.mla_attention.reference import MASK_VALUE
 BLOCK_Q = 64
 """Query rows per tile: the row tile of one warpgroup's wgmma."""
 LOG2E = math.log2(math.e)
+INTERPRET_NEW_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+"""XLA:CPU flag the interpreter needs for the new tokens' split: under XLA's default CPU
+scheduler a compute warpgroup's reads of the mask words run ahead of its barrier waits and
+the interpreter's warpgroups deadlock (seen on this project's 2-core machine)."""
 H200_SMS = 132
 """SMs of an H200: the wave `num_splits` fills where the device does not say (CPU interpret)."""
 
@@ -61,11 +70,15 @@ class MosaicMLATiles:
       stages: TMA ring slots in shared memory (block_k * (R + P) * 2 bytes each; with the
         query tile's 72 KiB, at most 227 KiB in all: 2 slots of 64 at Kimi-K2's widths).
       num_splits: cache splits; None picks `num_splits`.
+      new_in_kernel: the most new tokens whose keys the kernel attends itself (one more
+        split per query tile); more, or 0, and XLA computes their partial. Their mask
+        travels as bits: T x N rows x Tp / 32 words, so prefill's thousands stay in XLA.
     """
 
     block_k: int = 64
     stages: int = 2
     num_splits: int | None = None
+    new_in_kernel: int = 0
 
     def __post_init__(self):
         if not isinstance(self.block_k, int) or self.block_k < 64 or self.block_k % 64:
@@ -74,6 +87,8 @@ class MosaicMLATiles:
             raise ValueError(f"MosaicMLATiles.stages must be a positive int, got {self.stages!r}")
         if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"MosaicMLATiles.num_splits must be None or a positive int, got {self.num_splits!r}")
+        if not isinstance(self.new_in_kernel, int) or self.new_in_kernel < 0:
+            raise ValueError(f"MosaicMLATiles.new_in_kernel must be an int >= 0, got {self.new_in_kernel!r}")
 
 
 PROGRAM_OVERHEAD_BLOCKS = 2
@@ -81,7 +96,7 @@ PROGRAM_OVERHEAD_BLOCKS = 2
 (R + P wide, as a block of the cache) and the partial output's store (R wide)."""
 
 
-def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None = None) -> int:
+def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None = None, new_blocks: int = 0) -> int:
     """Cache splits that finish the grid soonest: the fewest that minimize waves x (blocks a
     split + `PROGRAM_OVERHEAD_BLOCKS`), waves = batch * query_tiles * splits over the SMs,
     rounded up, at most two waves when splitting.
@@ -90,13 +105,18 @@ def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None 
     SMs takes two rounds of the whole split: 17 tree tokens x 64 heads (17 query tiles) over a
     32K cache (512 blocks) run 15 splits (255 programs, two waves of 35 blocks), not the 8 that
     filling the SMs once would give (136 programs, two waves of 64).
+
+    `new_blocks` > 0: each query tile runs one more program, the new tokens' split of that
+    many blocks (`MosaicMLATiles.new_in_kernel`); it shares the waves.
     """
     sms = sms or getattr(jax.devices()[0], "core_count", None) or H200_SMS
     programs = batch * query_tiles
-    most = max(1, min(cache_blocks, -(-2 * sms // programs)))
+    extra = int(new_blocks > 0)
+    most = max(1, min(cache_blocks, -(-2 * sms // programs) - extra))
 
     def rounds(ns):
-        return -(-programs * ns // sms) * (-(-cache_blocks // ns) + PROGRAM_OVERHEAD_BLOCKS)
+        longest = max(-(-cache_blocks // ns), new_blocks)
+        return -(-programs * (ns + extra) // sms) * (longest + PROGRAM_OVERHEAD_BLOCKS)
 
     return min(range(1, most + 1), key=lambda ns: (rounds(ns), ns))
 
@@ -131,19 +151,33 @@ def _accumulate(acc, a, b_ref, a_smem, interpret):
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
-def _cache_partials(q_lat, q_pe, ckv, kpe, lens, *, scale, tiles, interpret):
-    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B]
-    -> (o [B, NS, Qp, R] in the cache dtype, lse [B, NS, Qp] float32, natural log)."""
+def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
+    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B];
+    `new` None or the new tokens' (keys [B, Tp, R] / [B, Tp, P], bits [B, WB + Tp / 32, Qp]
+    int32 whose first WB = BK / 32 words are 0) -> (o [B, NS', Qp, R] in the cache dtype,
+    lse [B, NS', Qp] float32, natural log): NS cache splits, then with `new` the new tokens'.
+
+    With `new` every tile comes with WB mask words a row: a cache split's are the zero words
+    (a slot is then visible by its position alone), the new split's the keys' bits (visible by
+    them alone: its position bound is -1), so one test serves both without a branch."""
     b, qp, r = q_lat.shape
     s, p = ckv.shape[1], kpe.shape[-1]
     r2, bk, stages = r // 2, tiles.block_k, tiles.stages
     nq, blocks = qp // BLOCK_Q, s // bk
-    ns = tiles.num_splits or num_splits(b, nq, blocks)
+    wb = bk // 32
+    new_blocks = 0 if new is None else new[0].shape[1] // bk
+    ns = tiles.num_splits or num_splits(b, nq, blocks, new_blocks=new_blocks)
     chunk = -(-blocks // ns) * bk
     dtype = ckv.dtype
+    with_new = new is not None
+    copies = 3 + with_new  # TMA copies a ring slot waits for
 
-    def kernel(lens_ref, ql_ref, qpe_ref, ckv_ref, kpe_ref, o_ref, lse_ref, smem, bars):
-        q_smem, qpe_smem, c_smem, pe_smem, p_smem = smem
+    def kernel(lens_ref, ql_ref, qpe_ref, ckv_ref, kpe_ref, *rest):
+        if with_new:
+            nckv_ref, nkpe_ref, bits_ref, o_ref, lse_ref, smem, bars = rest
+        else:
+            o_ref, lse_ref, smem, bars = rest
+        q_smem, qpe_smem, c_smem, pe_smem, p_smem, bits_smem = smem
         q_bar, ring_bar, free_bar, done_bar = bars
         bi, j, k = jax.lax.axis_index("b"), jax.lax.axis_index("q"), jax.lax.axis_index("split")
         wg = jax.lax.axis_index("wg")
@@ -151,6 +185,10 @@ def _cache_partials(q_lat, q_pe, ckv, kpe, lens, *, scale, tiles, interpret):
         lo = k * chunk
         hi = jnp.minimum(lo + chunk, lens_ref[bi])
         steps = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
+        if with_new:
+            is_new = k == ns
+            hi = jnp.where(is_new, -1, hi)
+            steps = jnp.where(is_new, new_blocks, steps)
 
         @pl.when(wg < 2)
         def _compute():
@@ -175,7 +213,10 @@ def _cache_partials(q_lat, q_pe, ckv, kpe, lens, *, scale, tiles, interpret):
 
                 sc = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, bk), f32)) * (scale * LOG2E)
                 col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 1, layout=plgpu.Layout.WGMMA)
-                sc = jnp.where(col + (lo + i * bk) < hi, sc, -jnp.inf)
+                visible = col + (lo + i * bk) < hi
+                if with_new:
+                    visible = visible | _mask_bits(bits_smem.at[slot], col)
+                sc = jnp.where(visible, sc, -jnp.inf)
                 m_new = jnp.maximum(m, sc.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 prob = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, sc.shape, [0]))
@@ -208,13 +249,25 @@ def _cache_partials(q_lat, q_pe, ckv, kpe, lens, *, scale, tiles, interpret):
                 plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows, pl.ds(h * r2, r2)], q_smem.at[h], q_bar)
             plgpu.copy_gmem_to_smem(qpe_ref.at[bi, rows], qpe_smem, q_bar)
 
-            def load(i, slot):
-                cache_rows = pl.ds(lo + i * bk, bk)
+            def tile(c_ref, pe_ref, first, slot):
+                key_rows = pl.ds(first, bk)
                 for h in range(2):
                     plgpu.copy_gmem_to_smem(
-                        ckv_ref.at[bi, cache_rows, pl.ds(h * r2, r2)], c_smem.at[slot, h], ring_bar.at[slot]
+                        c_ref.at[bi, key_rows, pl.ds(h * r2, r2)], c_smem.at[slot, h], ring_bar.at[slot]
                     )
-                plgpu.copy_gmem_to_smem(kpe_ref.at[bi, cache_rows], pe_smem.at[slot], ring_bar.at[slot])
+                plgpu.copy_gmem_to_smem(pe_ref.at[bi, key_rows], pe_smem.at[slot], ring_bar.at[slot])
+
+            def load(i, slot):
+                if not with_new:
+                    tile(ckv_ref, kpe_ref, lo + i * bk, slot)
+                    return
+                pl.when(k < ns)(lambda: tile(ckv_ref, kpe_ref, lo + i * bk, slot))
+                # Clamped: the ring's first loads are traced for every split, and a static start
+                # past the new keys fails the trace even where `steps` never runs it.
+                pl.when(is_new)(lambda: tile(nckv_ref, nkpe_ref, jnp.minimum(i * bk, new_blocks * bk - bk), slot))
+                # A cache split's words are the zero ones in front; the new split's follow.
+                words = pl.ds(jnp.where(is_new, (i + 1) * wb, 0), wb)
+                plgpu.copy_gmem_to_smem(bits_ref.at[bi, words, rows], bits_smem.at[slot], ring_bar.at[slot])
 
             for i in range(stages):
                 pl.when(i < steps)(functools.partial(load, i, i))
@@ -239,28 +292,54 @@ def _cache_partials(q_lat, q_pe, ckv, kpe, lens, *, scale, tiles, interpret):
             plgpu.SMEM((stages, bk, p), dtype, transforms=_swizzled(p, dtype)),
             # P's buffers, for the interpreter only (see `_accumulate`).
             None if interpret is None else plgpu.SMEM((2, BLOCK_Q, bk), dtype, transforms=_swizzled(bk, dtype)),
+            # A slot's mask words: 512 bytes of the 11 KiB left at Kimi-K2's widths.
+            plgpu.SMEM((stages, wb, BLOCK_Q), jnp.int32) if with_new else None,
         )
         bars = (
             plgpu.Barrier(num_arrivals=3),  # the three query copies
-            plgpu.Barrier(num_arrivals=3, num_barriers=stages),  # a slot's three cache copies
+            plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # a slot's copies
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups released it
             plgpu.Barrier(num_arrivals=2),  # both done with the query tile
         )
         pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), smem, bars, collective_axes="wg")
 
+    splits = ns + with_new
     return plgpu.kernel(
         entry,
         out_type=(
-            jax.ShapeDtypeStruct((b, ns, qp, r), dtype),
-            jax.ShapeDtypeStruct((b, ns, qp), jnp.float32),
+            jax.ShapeDtypeStruct((b, splits, qp, r), dtype),
+            jax.ShapeDtypeStruct((b, splits, qp), jnp.float32),
         ),
-        grid=(b, nq, ns),
+        grid=(b, nq, splits),
         grid_names=("b", "q", "split"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(lens, q_lat, q_pe, ckv, kpe)
+    )(lens, q_lat, q_pe, ckv, kpe, *(new or ()))
+
+
+def _mask_bits(words_ref, col):
+    """Visibility of a tile's keys [BQ, BK] from its rows' mask words ([BK / 32, BQ] int32 in
+    shared memory): key c of the tile is bit c % 32 of word c // 32."""
+    row = functools.partial(jax.lax.broadcast_in_dim, shape=col.shape, broadcast_dimensions=[0])
+    word = row(plgpu.load(words_ref.at[0], layout=plgpu.Layout.WGMMA.reduce(1)))
+    for g in range(1, words_ref.shape[0]):
+        word = jnp.where(col >= 32 * g, row(plgpu.load(words_ref.at[g], layout=plgpu.Layout.WGMMA.reduce(1))), word)
+    # Shifts by col % 32 only: a shift by 32 or more is undefined on the GPU.
+    return (jax.lax.shift_right_logical(word, col & 31) & 1) != 0
+
+
+def _mask_words(new_mask, n, tp, qp, lead):
+    """new_mask [B, T, T] -> [B, lead + Tp / 32, Qp] int32: `lead` zero words, then row
+    t * N + n's word w, bit j set iff token t sees key 32 w + j (rows past T * N: none)."""
+    b, t, _ = new_mask.shape
+    padded = jnp.pad(new_mask, ((0, 0), (0, 0), (0, tp - t))).reshape(b, t, tp // 32, 32)
+    words = jnp.sum(padded.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    words = jax.lax.bitcast_convert_type(words, jnp.int32)  # [B, T, W]
+    rows = jnp.broadcast_to(words[:, :, None], (b, t, n, tp // 32)).reshape(b, t * n, tp // 32)
+    rows = jnp.pad(rows, ((0, 0), (0, qp - t * n), (0, 0)))
+    return jnp.pad(rows.transpose(0, 2, 1), ((0, 0), (lead, 0), (0, 0)))
 
 
 def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
@@ -274,15 +353,25 @@ def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
     return o, lse
 
 
-def _merge(o, lse, o_new, lse_new):
-    """The cache's partials (o [B, K, T, N, R], lse [B, K, T, N]) and the new tokens'
-    ([B, T, N, R], [B, T, N]) by log-sum-exp -> [B, T, N, R] float32. Empty cache splits
-    (lse = -inf) weigh 0; the new tokens' partial never is empty (a query sees itself)."""
-    top = jnp.maximum(jnp.max(lse, axis=1), lse_new)
-    w, w_new = jnp.exp(lse - top[:, None]), jnp.exp(lse_new - top)
+def _merge(o, lse, new=None):
+    """The partials (o [B, K, T, N, R], lse [B, K, T, N]) and `new`, the new tokens' from XLA
+    (None, or ([B, T, N, R], [B, T, N])), by log-sum-exp -> [B, T, N, R] float32.
+
+    Empty partials (lse = -inf) weigh 0. XLA's new partial never is empty (masked scores are
+    MASK_VALUE, finite); a row that sees no key at all, cache nor new (a mask row of False over
+    an empty cache, which the model never makes), comes out 0 from the kernel's."""
+    top = jnp.max(lse, axis=1)
+    if new is not None:
+        top = jnp.maximum(top, new[1])
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top[:, None])
     # An elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
-    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=1) + w_new[..., None] * o_new
-    return out / (jnp.sum(w, axis=1) + w_new)[..., None]
+    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=1)
+    total = jnp.sum(w, axis=1)
+    if new is not None:
+        w_new = jnp.exp(new[1] - top)
+        out, total = out + w_new[..., None] * new[0], total + w_new
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
@@ -304,7 +393,8 @@ def mla_attention_mosaic(
 
     `interpret`: None compiles for the GPU (bf16 or f16 cache); Mosaic GPU's
     `InterpretGPUParams()` runs the kernel on the CPU (any float dtype).
-    Needs R a multiple of 128, P of 64, S of tiles.block_k (the error names them).
+    Needs R a multiple of 128, P of 64, S of tiles.block_k (the error names them). With
+    T <= tiles.new_in_kernel the kernel attends the new tokens too (module docstring).
     """
     b, t, n, r = q_lat.shape
     s, p = cache_ckv.shape[1], q_pe.shape[-1]
@@ -321,12 +411,27 @@ def mla_attention_mosaic(
         return jnp.pad(x.reshape(b, q, x.shape[-1]).astype(dtype), ((0, 0), (0, qp - q), (0, 0)))
 
     lens = jnp.clip(cache_len.astype(jnp.int32), 0, s)
-    o, lse = _cache_partials(
-        rows(q_lat), rows(q_pe), cache_ckv, cache_kpe, lens, scale=scale, tiles=tiles, interpret=interpret
+    new = None
+    if t <= tiles.new_in_kernel:  # the new tokens as the kernel's last split
+        bk = tiles.block_k
+        tp = -(-t // bk) * bk
+
+        def keys(x):  # [B, T, X] -> [B, Tp, X]
+            return jnp.pad(x.astype(dtype), ((0, 0), (0, tp - t), (0, 0)))
+
+        if interpret is not None and INTERPRET_NEW_FLAG not in os.environ.get("XLA_FLAGS", ""):
+            raise ValueError(
+                f"mla_attention_mosaic in interpret mode with T={t} <= new_in_kernel={tiles.new_in_kernel} "
+                f"needs XLA_FLAGS={INTERPRET_NEW_FLAG} set before jax starts (else its warpgroups deadlock)"
+            )
+        new = (keys(new_ckv), keys(new_kpe), _mask_words(new_mask, n, tp, qp, bk // 32))
+    o, lse = _partials(
+        rows(q_lat), rows(q_pe), cache_ckv, cache_kpe, lens, new, scale=scale, tiles=tiles, interpret=interpret
     )
-    ns = o.shape[1]
-    o = o[:, :, :q].reshape(b, ns, t, n, r)
-    lse = lse[:, :, :q].reshape(b, ns, t, n)
+    splits = o.shape[1]
+    o = o[:, :, :q].reshape(b, splits, t, n, r)
+    lse = lse[:, :, :q].reshape(b, splits, t, n)
+    if new is not None:
+        return _merge(o, lse)
     # The new tokens see the queries as the kernel does: rounded to the cache dtype.
-    o_new, lse_new = _new_partial(q_lat.astype(dtype), q_pe.astype(dtype), new_ckv, new_kpe, new_mask, scale)
-    return _merge(o, lse, o_new, lse_new)
+    return _merge(o, lse, _new_partial(q_lat.astype(dtype), q_pe.astype(dtype), new_ckv, new_kpe, new_mask, scale))
