@@ -31,8 +31,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w with float32 accumulation, result in x's dtype. w: [in, ...out]."""
+@struct.dataclass
+class OutMajor:
+    """A 2-D weight [in, out] held as its transpose (`linear` takes either form)."""
+
+    t: jax.Array  # [out, in]
+
+
+def linear(x: jax.Array, w: jax.Array | OutMajor) -> jax.Array:
+    """x @ w with float32 accumulation, result in x's dtype. w: [in, ...out], or `OutMajor`."""
+    if isinstance(w, OutMajor):
+        return jnp.einsum("...i,oi->...o", x, w.t, preferred_element_type=jnp.float32).astype(x.dtype)
     out = jnp.tensordot(x, w, axes=1, preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 

@@ -31,6 +31,7 @@ from ddtree_jax.cache import KVCache, LatentKV
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import (
     LATENT_NORM_EPS,
+    OutMajor,
     Unstacked,
     apply_rope,
     einsum,
@@ -418,6 +419,19 @@ def _unrolled(numerics: str, n_layers: int, routed_path: str | None) -> bool:
 HOIST_MAX_BYTES = 1 << 30
 """`hoist_layers` prepares a layer stack of at most this many bytes (as prepared)."""
 
+HOIST_SHARED_OUT_MAJOR = False
+"""Whether `hoist_layers` holds the shared experts' gate and up as [I, H] (`layers.OutMajor`).
+On the H200, XLA merges them with the dense routed pass of a verify into one GEMM that reads
+every weight [out, in], and transposes the two [H, I] weights of each layer for it every round
+(14 transposes, ~0.022 ms a DDTree(12) round of the shipped pair; docs/benchmarks.md, "One
+round in the loop"). Off until timed there (`experiments/profile_round.py --set
+ddtree_jax.model.HOIST_SHARED_OUT_MAJOR=True`); it changes a float32 forward's last bits."""
+
+
+def _out_major(mlp: MLPParams) -> MLPParams:
+    """gate and up [H, I] as `OutMajor` ([I, H], the same values); down unchanged."""
+    return mlp.replace(gate=OutMajor(mlp.gate.T), up=OutMajor(mlp.up.T))
+
 
 def hoist_layers(params: TargetParams, numerics: str, implementation: str = "auto") -> TargetParams:
     """The target as a decode loop should hold it: the loop-invariant work on its weights
@@ -454,7 +468,12 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
         size = sum(np.prod(a.shape) * (params.dtype.itemsize if int4(a) else a.dtype.itemsize) for a in leaves)
         if size > HOIST_MAX_BYTES:
             return stack
-        return unstack(jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4))
+        layers = unstack(jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4))
+        if not HOIST_SHARED_OUT_MAJOR or getattr(layers.layers[0].mlp, "shared", None) is None:
+            return layers
+        return Unstacked(
+            tuple(lp.replace(mlp=lp.mlp.replace(shared=_out_major(lp.mlp.shared))) for lp in layers.layers)
+        )
 
     return params.replace(dense_layers=prepare(params.dense_layers), moe_layers=prepare(params.moe_layers))
 

@@ -95,7 +95,7 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     """`hoist_layers` (per-layer weights, INT4 experts dequantized, before a decode loop)
     changes no bit of a "fast" forward; it leaves "exact" numerics, long stacks and stacks
     over HOIST_MAX_BYTES alone."""
-    from ddtree_jax.layers import Unstacked
+    from ddtree_jax.layers import OutMajor, Unstacked
 
     cfg = quantized.config
     hoisted = model.hoist_layers(quantized, "fast")
@@ -115,6 +115,15 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)
     assert model.hoist_layers(quantized, "exact") is quantized
+    # The shared experts' gate and up held [I, H]: the same forward up to float32 rounding.
+    monkeypatch.setattr(model, "HOIST_SHARED_OUT_MAJOR", True)
+    out_major = model.hoist_layers(quantized, "fast")
+    shared = out_major.moe_layers.layers[0].mlp.shared
+    assert isinstance(shared.gate, OutMajor) and isinstance(shared.up, OutMajor)
+    np.testing.assert_array_equal(shared.gate.t, hoisted.moe_layers.layers[0].mlp.shared.gate.T)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(run(out_major)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(model, "HOIST_SHARED_OUT_MAJOR", False)
     monkeypatch.setattr(model, "HOIST_MAX_BYTES", 0)
     assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
     monkeypatch.setattr(model, "HOIST_MAX_BYTES", 1 << 30)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.pallas.mla_attention import bench as mla_bench
-from ddtree_jax.pallas.mla_attention.mosaic import mla_attention_mosaic
+from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.moe import bench as moe_bench
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
@@ -40,14 +40,16 @@ def _f32(args):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("new_in_kernel", [0, 256])
 @pytest.mark.parametrize("name", list(MLA_SHAPES))
-def test_mla_kernel_on_named_shapes(name):
+def test_mla_kernel_on_named_shapes(name, new_in_kernel):
     if not ON_GPU:
         pytest.skip("Mosaic GPU on the CPU: tests/test_mla_kernel.py (interpret mode, widths it tiles)")
     shape = _shape(MLA_SHAPES, name)
     args = mla_bench.inputs(shape, jax.random.PRNGKey(1))
     scale = (shape.kv_lora_rank + shape.rope_dim) ** -0.5
-    got = jax.jit(lambda *a: mla_attention_mosaic(*a, scale=scale))(*args)
+    tiles = MosaicMLATiles(new_in_kernel=new_in_kernel)
+    got = jax.jit(lambda *a: mla_attention_mosaic(*a, scale=scale, tiles=tiles))(*args)
     want = mla_attention_reference(*_f32(args), scale)
     assert got.shape == want.shape == (shape.batch, shape.tokens, shape.heads, shape.kv_lora_rank)
     err = float(jnp.max(jnp.abs(got - want)))
