@@ -81,8 +81,34 @@ def _round_impl(logits, root, truth, budget):
 _round = jax.jit(_round_impl, static_argnums=(3,))
 
 
-def replay(logits: jax.Array, seq: np.ndarray, start: int, new_tokens: int, budget: int, temps: np.ndarray):
-    """Rounds that emit `new_tokens` tokens (the first from the prefill) under one policy."""
+def lookup_draft(seq: np.ndarray, at: int, length: int, ngrams=(4, 3, 2)) -> np.ndarray:
+    """Prompt lookup: the `length` tokens that followed the latest earlier occurrence of the
+    text's last n tokens (up to and including position `at`), the longest n that occurs; empty
+    if none does."""
+    for n in ngrams:
+        if at + 1 < n + 1:
+            continue
+        tail = seq[at + 1 - n : at + 1]
+        for j in range(at - n, -1, -1):  # occurrence seq[j : j + n], ending before the tail's end
+            if np.array_equal(seq[j : j + n], tail):
+                return seq[j + n : min(j + n + length, at + 1)]
+    return seq[:0]
+
+
+def replay(
+    logits: jax.Array,
+    seq: np.ndarray,
+    start: int,
+    new_tokens: int,
+    budget: int,
+    temps: np.ndarray,
+    lookup: int = 0,
+):
+    """Rounds that emit `new_tokens` tokens (the first from the prefill) under one policy.
+
+    `lookup` > 0: the tree also holds a chain of that many prompt-lookup tokens from the root
+    (`lookup_draft`); the round then accepts the longer of the two matches (a trie of both
+    accepts no path that is neither)."""
     d = logits.shape[1]
     scaled = jnp.asarray(logits) / jnp.asarray(temps)[None, :, None]
     emitted, rounds, at = 1, 0, start
@@ -91,6 +117,10 @@ def replay(logits: jax.Array, seq: np.ndarray, start: int, new_tokens: int, budg
         ahead = seq[at + 1 : at + d + 2]
         truth[: len(ahead)] = ahead
         a = int(_round(scaled[at - start], int(seq[at]), jnp.asarray(truth, jnp.int32), budget))
+        if lookup:
+            chain = lookup_draft(seq, at, lookup)
+            hits = np.cumprod(chain == truth[: len(chain)]) if len(chain) else np.zeros(0)
+            a = max(a, 1 + int(hits.sum()))
         a = min(a, new_tokens - emitted)
         emitted, rounds, at = emitted + a, rounds + 1, at + a
     return rounds
@@ -105,6 +135,13 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budgets", type=int, nargs="+", default=[12, 32])
     ap.add_argument("--policies", nargs="+", default=["1", "0.8"])
+    ap.add_argument(
+        "--lookup",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also replay each policy with a prompt-lookup chain of L tokens",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--numerics", default="fast")
     ap.add_argument("--out", default=None)
@@ -118,7 +155,8 @@ def main(argv=None):
     for b in args.budgets:
         trees.check_budget(b)
     prompts = prompt_set(args.prompts, shipped.tokenizer, args.data, args.limit)
-    rounds = {(b, p): 0 for b in args.budgets for p in policies}
+    lookups = [0, *args.lookup]
+    rounds = {(b, p, lk): 0 for b in args.budgets for p in policies for lk in lookups}
     tokens, t0 = 0, time.time()
     # One shape for every prompt (one compile each): prompts padded to the longest, the text
     # padded to that plus the new tokens and a block.
@@ -141,22 +179,20 @@ def main(argv=None):
             target, drafter, jnp.asarray(seq, jnp.int32), len(prompt), numerics=args.numerics, rows=len(text)
         )
         seq = seq[: len(prompt) + len(text)]
-        for b in args.budgets:
-            for p, temps in policies.items():
-                rounds[b, p] += replay(logits, seq, len(prompt), len(text), b, temps)
+        for b, p, lk in rounds:
+            rounds[b, p, lk] += replay(logits, seq, len(prompt), len(text), b, policies[p], lk)
         tokens += len(text)
         if (i + 1) % 10 == 0 or i + 1 == len(prompts):
-            best = {b: max(policies, key=lambda p, b=b: tokens / rounds[b, p]) for b in args.budgets}
+            best = {b: max(policies, key=lambda p, b=b: tokens / rounds[b, p, 0]) for b in args.budgets}
             print(f"{i + 1}/{len(prompts)} prompts, {time.time() - t0:.0f} s; best so far {best}", flush=True)
     rows = [
-        dict(budget=b, policy=p, temperatures=policies[p].tolist(), tau=tokens / rounds[b, p], rounds=rounds[b, p])
-        for b in args.budgets
-        for p in policies
+        dict(budget=b, policy=p, lookup=lk, temperatures=policies[p].tolist(), tau=tokens / n, rounds=n)
+        for (b, p, lk), n in rounds.items()
     ]
     print(f"\n{len(prompts)} {args.prompts} prompts, {tokens} tokens, {args.dtype}, greedy")
-    print("| budget | policy | tau |\n| --- | --- | --- |")
+    print("| budget | policy | lookup | tau |\n| --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['budget']} | {r['policy']} | {r['tau']:.3f} |")
+        print(f"| {r['budget']} | {r['policy']} | {r['lookup']} | {r['tau']:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "tokens": tokens, "rows": rows}, f, indent=1)

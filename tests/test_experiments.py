@@ -672,6 +672,27 @@ def test_tree_replay_counts_rounds_along_the_text():
     assert replay.replay(jnp.asarray(wrong), seq, start, new, 4, replay.depth_temperatures("1", d)) == new - 1
 
 
+def test_tree_replay_prompt_lookup():
+    """The lookup chain follows the latest earlier occurrence of the longest matching tail; a
+    text that repeats itself is accepted along it where the drafts are all wrong."""
+    replay = _experiment("tree_replay")
+    seq = np.asarray([1, 2, 3, 4, 9, 2, 3, 4, 5, 6, 7, 2, 3, 4])
+    np.testing.assert_array_equal(replay.lookup_draft(seq, 13, 3), [5, 6, 7])  # "2 3 4" at 5..7 (latest)
+    np.testing.assert_array_equal(replay.lookup_draft(seq, 13, 9), [5, 6, 7, 2, 3, 4])  # stops at the text's end
+    np.testing.assert_array_equal(replay.lookup_draft(seq, 4, 3), [])  # "9" never seen before
+    np.testing.assert_array_equal(replay.lookup_draft(seq, 6, 2, ngrams=(2,)), [4, 9])  # "2 3" at 1..2
+    d, v = 15, 50
+    period = [int(t) for t in np.random.default_rng(1).integers(4, v, 6)]
+    seq = np.asarray(period * 6)
+    start, new = 12, 24
+    wrong = np.zeros((new, d, v), np.float32)
+    wrong[:, :, 0] = 5.0  # token 0 never occurs: every draft is wrong
+    temps = replay.depth_temperatures("1", d)
+    assert replay.replay(jnp.asarray(wrong), seq, start, new, 4, temps) == new - 1
+    # Lookup of 5: five right tokens + the bonus a round, 23 tokens after the prefill's in 4 rounds.
+    assert replay.replay(jnp.asarray(wrong), seq, start, new, 4, temps, lookup=5) == 4
+
+
 def test_tree_replay_script_and_policies(tiny_pair, tmp_path):
     replay = _experiment("tree_replay")
     np.testing.assert_allclose(replay.depth_temperatures("0.8:0.5", 4), [0.8, 0.7, 0.6, 0.5], rtol=1e-6)
@@ -682,11 +703,16 @@ def test_tree_replay_script_and_policies(tiny_pair, tmp_path):
     res = run_script(
         "tree_replay.py",
         *("--checkpoints", tiny_pair, "--prompts", "humaneval", "--limit", "2", "--max-new-tokens", "6"),
-        *("--budgets", "4", "--policies", "1", "0.5:1", "--out", out),
+        *("--budgets", "4", "--policies", "1", "0.5:1", "--lookup", "3", "--out", out),
     )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["budget"], r["policy"]) for r in rows] == [(4, "1"), (4, "0.5:1")]
+    assert [(r["budget"], r["policy"], r["lookup"]) for r in rows] == [
+        (4, "1", 0),
+        (4, "1", 3),
+        (4, "0.5:1", 0),
+        (4, "0.5:1", 3),
+    ]
     assert all(1.0 <= r["tau"] <= 6.0 and r["rounds"] >= 2 for r in rows), rows
 
 
