@@ -443,7 +443,8 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
     (`layers.Unstacked`), its INT4 routed experts dequantized to the model's dtype. Inside
     the loop, XLA copied each layer's slice of every stacked weight a GEMM reads, and
     dequantized the experts, every round. Same values: dequantization is exact
-    and deterministic, and slicing moves bytes unchanged.
+    and deterministic, and slicing moves bytes unchanged. With `HOIST_SHARED_OUT_MAJOR` the
+    shared experts' gate and up are also held transposed (`layers.OutMajor`).
 
     Args:
       params: the target (stacked layers, as loaded).

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import time
 
+import _settings
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -344,7 +345,9 @@ def main():
     )
     ap.add_argument("--out", required=True)
     ap.add_argument("--reproject", help="recompute only the projection of this earlier --out file (no GPU work)")
+    _settings.add_argument(ap)
     args = ap.parse_args()
+    _settings.apply(args.set)
     with open(args.tau_file) as f:
         evals = json.load(f)["rows"]
     args.tau = {

@@ -644,6 +644,11 @@ def test_k2_shard_projection_reads_measured_allreduces(tmp_path):
     assert [at(t) * 1e3 for t in (1, 2, 17, 33, 65)] == pytest.approx([0.01, 0.02, 0.02, 0.04, 0.04])
     with pytest.raises(SystemExit, match="no bf16 all-reduce of width 64"):
         measured_allreduce(str(path), 64)
+    # --set, as profile_round's (e.g. the MLA kernel's new-token split on and off)
+    why = refusal("k2_shard.py", "--tau-file", path, "--out", tmp_path / "o.json", "--set", "nope")
+    assert "--set 'nope': expected MODULE.NAME=VALUE" in why
+    why = refusal("k2_shard.py", "--tau-file", path, "--out", tmp_path / "o.json", "--set", "ddtree_jax.model.NOPE=1")
+    assert "ddtree_jax.model has no constant NOPE" in why
 
 
 def _experiment(name):

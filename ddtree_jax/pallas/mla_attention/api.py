@@ -20,7 +20,7 @@ AVAILABLE = ("auto", "xla", "exact", "pallas", "mosaic")
 MOSAIC_NEW_IN_KERNEL = 0
 """`MosaicMLATiles.new_in_kernel` of the model's calls: the most new tokens whose keys the
 Mosaic kernel attends itself (else XLA computes their partial). 0 until timed on the H200
-against XLA's partial (`experiments/profile_round.py --set
+against XLA's partial (`experiments/k2_shard.py --set
 ddtree_jax.pallas.mla_attention.api.MOSAIC_NEW_IN_KERNEL=256`)."""
 
 
