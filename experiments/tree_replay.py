@@ -11,7 +11,8 @@ host: the tree from the block at position L, its longest path along the text, L 
 128 tokens are out. Same prompts, same drafts: the policies differ by their trees only.
 
 A policy is a tree temperature per draft depth: "t" (every depth, `generate`'s
-`tree_temperature`) or "a:b" (linear from a at depth 1 to b at the last depth). Replayed tau
+`tree_temperature`) or "a:b" (linear from a at depth 1 to b at the last depth). `--lookup L`
+also replays each policy with a chain of L prompt-lookup tokens beside its tree. Replayed tau
 equals `generate`'s up to floating point (the drafter's features here come from one causal
 forward, in the decode loop from each round's verify).
 """
@@ -146,6 +147,8 @@ def main(argv=None):
     ap.add_argument("--numerics", default="fast")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if any(lk < 1 for lk in args.lookup):
+        ap.error(f"--lookup {args.lookup}: each chain length must be >= 1")
 
     shipped = load_shipped(args.checkpoints, dtype=args.dtype)
     target = shipped.target

@@ -704,6 +704,7 @@ def test_tree_replay_script_and_policies(tiny_pair, tmp_path):
     for bad in ("0", "a", "1:2:3", "-1:1"):
         with pytest.raises(ValueError, match="policy"):
             replay.depth_temperatures(bad, 4)
+    assert "--lookup [0]: each chain length must be >= 1" in refusal("tree_replay.py", "--lookup", 0)
     out = tmp_path / "replay.json"
     res = run_script(
         "tree_replay.py",
