@@ -200,7 +200,7 @@ def test_num_splits_ends_the_waves_soonest():
 
 
 @pytest.mark.parametrize("new_in_kernel", [0, 5])
-def test_generate_with_the_mosaic_kernels(new_in_kernel, monkeypatch):
+def test_generate_with_the_mosaic_kernels(new_in_kernel, monkeypatch, request):
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
     interpret mode give the XLA path's tokens; with new_in_kernel 5 the prefill (4 tokens),
     the AR steps and the trees (5 nodes) attend their own keys in the kernel."""
@@ -208,6 +208,9 @@ def test_generate_with_the_mosaic_kernels(new_in_kernel, monkeypatch):
     from tests.conftest import random_target, tiny
 
     monkeypatch.setattr(api, "MOSAIC_NEW_IN_KERNEL", new_in_kernel)
+    # Programs traced under another setting would be found again by their arguments alone.
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
 
     # Widths the kernels tile: R % 128, P % 64 (attention), H and I % 128 (experts).
     cfg = tiny(num_hidden_layers=2, hidden_size=128, moe_intermediate_size=128, kv_lora_rank=128, qk_rope_head_dim=64)
