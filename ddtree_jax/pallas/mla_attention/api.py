@@ -21,7 +21,8 @@ MOSAIC_NEW_IN_KERNEL = 0
 """`MosaicMLATiles.new_in_kernel` of the model's calls: the most new tokens whose keys the
 Mosaic kernel attends itself (else XLA computes their partial). 0 until timed on the H200
 against XLA's partial (`experiments/k2_shard.py --set
-ddtree_jax.pallas.mla_attention.api.MOSAIC_NEW_IN_KERNEL=256`)."""
+ddtree_jax.pallas.mla_attention.api.MOSAIC_NEW_IN_KERNEL=256`). Read when a program is traced:
+set it before the first call, or call `jax.clear_caches()` after changing it."""
 
 
 def _mosaic_takes(q_lat, q_pe, cache_ckv) -> bool:
