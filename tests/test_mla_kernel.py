@@ -199,11 +199,39 @@ def test_num_splits_ends_the_waves_soonest():
     assert num_splits(1, 17, 512, sms=132, new_blocks=1) == 14
 
 
+def test_the_new_split_where_it_pays(monkeypatch):
+    """The model's calls put the new tokens in the kernel only where the H200 measured a gain:
+    more than one token and no extra wave (TP-8 trees yes; AR and 65 tokens x 64 heads no)."""
+    from ddtree_jax.pallas.mla_attention import api
+    from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, new_split_pays
+
+    on = MosaicMLATiles(new_in_kernel=256)
+    assert new_split_pays(1, 17, 8, 32768, on, sms=132)  # 3 query tiles: the same single wave
+    assert new_split_pays(1, 65, 8, 32768, on, sms=132)  # 9 tiles: +3 modeled blocks
+    assert not new_split_pays(1, 65, 64, 32768, on, sms=132)  # 65 tiles: fewer cache splits
+    assert not new_split_pays(1, 1, 64, 32768, on, sms=132)  # AR: XLA's one row is cheaper
+    assert not new_split_pays(1, 257, 8, 32768, on, sms=132)  # past new_in_kernel
+    assert not new_split_pays(1, 17, 8, 32768, MosaicMLATiles(), sms=132)
+
+    seen = []
+    monkeypatch.setattr(api, "mla_attention_mosaic", lambda *a, tiles, **k: seen.append(tiles.new_in_kernel))
+    monkeypatch.setattr(api, "MOSAIC_NEW_IN_KERNEL", 256)
+    rng = np.random.default_rng(0)
+    for t in (1, 3):
+        args = case(rng, 1, t, 2, 128, 64, 64, [5], jnp.ones((1, t, t), bool), jnp.float32)
+        api.mla_attention(*args, scale=0.5, implementation="mosaic")
+    # Interpreted without XLA's CPU flag the new split would deadlock: XLA's partial instead.
+    monkeypatch.setenv("XLA_FLAGS", "")
+    api.mla_attention(*args, scale=0.5, implementation="mosaic")
+    assert seen == [0, 256, 0]
+
+
 @pytest.mark.parametrize("new_in_kernel", [0, 5])
 def test_generate_with_the_mosaic_kernels(new_in_kernel, monkeypatch, request):
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
-    interpret mode give the XLA path's tokens; with new_in_kernel 5 the prefill (4 tokens),
-    the AR steps and the trees (5 nodes) attend their own keys in the kernel."""
+    interpret mode give the XLA path's tokens; with new_in_kernel 5 the prefill (4 tokens)
+    and the trees (5 nodes) attend their own keys in the kernel, the AR steps (one key) take
+    XLA's partial (`new_split_pays`)."""
     from ddtree_jax.pallas.mla_attention import api
     from tests.conftest import random_target, tiny
 

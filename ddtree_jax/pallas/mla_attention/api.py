@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import chex
 import jax
@@ -12,17 +13,22 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.mla_attention.exact import mla_attention_exact
-from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
+from ddtree_jax.pallas.mla_attention.mosaic import (
+    INTERPRET_NEW_FLAG,
+    MosaicMLATiles,
+    mla_attention_mosaic,
+    new_split_pays,
+)
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
 AVAILABLE = ("auto", "xla", "exact", "pallas", "mosaic")
 
-MOSAIC_NEW_IN_KERNEL = 0
+MOSAIC_NEW_IN_KERNEL = 256
 """`MosaicMLATiles.new_in_kernel` of the model's calls: the most new tokens whose keys the
-Mosaic kernel attends itself (else XLA computes their partial). 0 until timed on the H200
-against XLA's partial (`experiments/k2_shard.py --set
-ddtree_jax.pallas.mla_attention.api.MOSAIC_NEW_IN_KERNEL=256`). Read when a program is traced:
-set it before the first call, or call `jax.clear_caches()` after changing it."""
+Mosaic kernel may attend itself, where `mosaic.new_split_pays` for the shard's shapes (else
+XLA computes their partial). 256 from session 31's H200 run (docs/benchmarks.md): 5-12% off
+TP-8 trees of 17 to 129 tokens at 32K; 0 gives XLA's partial everywhere. Read when a program is traced: set it before the first call, or
+call `jax.clear_caches()` after changing it."""
 
 
 def _mosaic_takes(q_lat, q_pe, cache_ckv) -> bool:
@@ -118,8 +124,7 @@ def mla_attention(
         fn = lambda *a: mla_attention_exact(*a, scale, span)  # noqa: E731
         args, axes = (*args, positions), (*_AXES, ("batch", None))
     elif implementation == "mosaic":
-        tiles = MosaicMLATiles(new_in_kernel=MOSAIC_NEW_IN_KERNEL)
-        fn = functools.partial(mla_attention_mosaic, scale=scale, tiles=tiles, interpret=mosaic_interpret())
+        fn = functools.partial(_mosaic, scale=scale, interpret=mosaic_interpret())
         axes = _AXES
     else:
         fn, axes = functools.partial(mla_attention_reference, scale=scale), _AXES
@@ -132,6 +137,17 @@ def mla_attention(
         # check_vma=False: pallas_call outputs carry no varying-axes annotation.
         return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
     return fn(*args)
+
+
+def _mosaic(q_lat, q_pe, cache_ckv, *rest, scale, interpret):
+    """The Mosaic kernel with the new tokens in it where that pays for these (per-shard) shapes
+    (and, in interpret mode, where XLA's CPU flag lets the interpreter run that split)."""
+    b, t, n, _ = q_lat.shape
+    tiles = MosaicMLATiles(new_in_kernel=MOSAIC_NEW_IN_KERNEL)
+    cpu_ready = interpret is None or INTERPRET_NEW_FLAG in os.environ.get("XLA_FLAGS", "")
+    if not (cpu_ready and new_split_pays(b, t, n, cache_ckv.shape[1], tiles)):
+        tiles = MosaicMLATiles()
+    return mla_attention_mosaic(q_lat, q_pe, cache_ckv, *rest, scale=scale, tiles=tiles, interpret=interpret)
 
 
 def _per_sequence(fn, args, axes, home, extra):

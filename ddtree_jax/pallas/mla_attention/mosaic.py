@@ -96,6 +96,24 @@ PROGRAM_OVERHEAD_BLOCKS = 2
 (R + P wide, as a block of the cache) and the partial output's store (R wide)."""
 
 
+XLA_PARTIAL_BLOCKS = 4
+"""XLA's new-token partial and its merge term in cache-block time: eight launches, 13.4 us at
+32K (session 29's profile), where a program streams a block in about 3 us (0.126 ms over 39
+modeled blocks, TP-8 65-token tree, session 31)."""
+
+
+def _rounds(programs: int, cache_blocks: int, ns: int, new_blocks: int, sms: int) -> int:
+    """Modeled time of a grid, in cache blocks: waves of one program per SM x (the longest
+    program's blocks + `PROGRAM_OVERHEAD_BLOCKS`); `new_blocks` > 0 adds the new tokens' split
+    to each of the `programs` query tiles."""
+    longest = max(-(-cache_blocks // ns), new_blocks)
+    return -(-programs * (ns + int(new_blocks > 0)) // sms) * (longest + PROGRAM_OVERHEAD_BLOCKS)
+
+
+def _sms(sms: int | None) -> int:
+    return sms or getattr(jax.devices()[0], "core_count", None) or H200_SMS
+
+
 def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None = None, new_blocks: int = 0) -> int:
     """Cache splits that finish the grid soonest: the fewest that minimize waves x (blocks a
     split + `PROGRAM_OVERHEAD_BLOCKS`), waves = batch * query_tiles * splits over the SMs,
@@ -109,16 +127,34 @@ def num_splits(batch: int, query_tiles: int, cache_blocks: int, sms: int | None 
     `new_blocks` > 0: each query tile runs one more program, the new tokens' split of that
     many blocks (`MosaicMLATiles.new_in_kernel`); it shares the waves.
     """
-    sms = sms or getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    sms = _sms(sms)
     programs = batch * query_tiles
-    extra = int(new_blocks > 0)
-    most = max(1, min(cache_blocks, -(-2 * sms // programs) - extra))
+    most = max(1, min(cache_blocks, -(-2 * sms // programs) - int(new_blocks > 0)))
+    return min(range(1, most + 1), key=lambda ns: (_rounds(programs, cache_blocks, ns, new_blocks, sms), ns))
 
-    def rounds(ns):
-        longest = max(-(-cache_blocks // ns), new_blocks)
-        return -(-programs * (ns + extra) // sms) * (longest + PROGRAM_OVERHEAD_BLOCKS)
 
-    return min(range(1, most + 1), key=lambda ns: (rounds(ns), ns))
+def new_split_pays(
+    batch: int, tokens: int, heads: int, cache_slots: int, tiles: MosaicMLATiles, sms: int | None = None
+) -> bool:
+    """Whether the kernel should attend T = `tokens` new tokens itself (`tiles.new_in_kernel`):
+    1 < T <= new_in_kernel and the extra split adds at most `XLA_PARTIAL_BLOCKS` to the
+    modeled rounds (`num_splits`' model), the cost of XLA's partial that it replaces.
+
+    Measured on an H200 at a 32K cache (docs/benchmarks.md, session 31): the new split saves
+    5-12% on TP-8 trees (8 heads x 17 / 65 tokens: 3 / 9 query tiles; modeled +0 / +3 blocks),
+    costs 3-6% on AR (one new key, where XLA's partial is one cheap row), and 32% on 65 tokens
+    x 64 heads (65 query tiles: the extra programs cut the splits; modeled +88 blocks).
+    """
+    if not 1 < tokens <= tiles.new_in_kernel:
+        return False
+    sms, bk = _sms(sms), tiles.block_k
+    programs = batch * -(-tokens * heads // BLOCK_Q)
+    blocks, new_blocks = cache_slots // bk, -(-tokens // bk)
+
+    def best(nb):
+        return _rounds(programs, blocks, num_splits(batch, programs // batch, blocks, sms, nb), nb, sms)
+
+    return best(new_blocks) <= best(0) + XLA_PARTIAL_BLOCKS
 
 
 def _swizzled(minor: int, dtype):
