@@ -40,13 +40,13 @@ def _f32(args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("new_in_kernel", [0, 256])
+@pytest.mark.parametrize(("new_in_kernel", "ragged"), [(0, False), (256, False), (0, True)])
 @pytest.mark.parametrize("name", list(MLA_SHAPES))
-def test_mla_kernel_on_named_shapes(name, new_in_kernel):
+def test_mla_kernel_on_named_shapes(name, new_in_kernel, ragged):
     if not ON_GPU:
         pytest.skip("Mosaic GPU on the CPU: tests/test_mla_kernel.py (interpret mode, widths it tiles)")
     shape = _shape(MLA_SHAPES, name)
-    args = mla_bench.inputs(shape, jax.random.PRNGKey(1))
+    args = mla_bench.inputs(shape, jax.random.PRNGKey(1), ragged)
     scale = (shape.kv_lora_rank + shape.rope_dim) ** -0.5
     tiles = MosaicMLATiles(new_in_kernel=new_in_kernel)
     got = jax.jit(lambda *a: mla_attention_mosaic(*a, scale=scale, tiles=tiles))(*args)

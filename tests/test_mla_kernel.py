@@ -226,23 +226,30 @@ def test_the_new_split_where_it_pays(monkeypatch):
     assert seen == [0, 256, 0]
 
 
-@pytest.mark.parametrize("new_in_kernel", [0, 5])
-def test_generate_with_the_mosaic_kernels(new_in_kernel, monkeypatch, request):
+def test_generate_with_the_mosaic_kernels(monkeypatch, request):
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
-    interpret mode give the XLA path's tokens; with new_in_kernel 5 the prefill (4 tokens)
-    and the trees (5 nodes) attend their own keys in the kernel, the AR steps (one key) take
-    XLA's partial (`new_split_pays`)."""
+    interpret mode give the XLA path's tokens, with the model's default new-token policy: the
+    prefill (4 tokens) and the trees (5 nodes) attend their own keys in the kernel, the AR
+    steps (one key) take XLA's partial (`new_split_pays`)."""
     from ddtree_jax.pallas.mla_attention import api
     from tests.conftest import random_target, tiny
 
-    monkeypatch.setattr(api, "MOSAIC_NEW_IN_KERNEL", new_in_kernel)
-    # Programs traced under another setting would be found again by their arguments alone.
+    kernel, seen = api.mla_attention_mosaic, set()
+
+    def recorded(*args, tiles, **kw):
+        seen.add((args[0].shape[1], tiles.new_in_kernel))
+        return kernel(*args, tiles=tiles, **kw)
+
+    monkeypatch.setattr(api, "mla_attention_mosaic", recorded)
+    # Programs traced before would be found again by their arguments alone, unrecorded.
     jax.clear_caches()
     request.addfinalizer(jax.clear_caches)
 
     # Widths the kernels tile: R % 128, P % 64 (attention), H and I % 128 (experts).
     cfg = tiny(num_hidden_layers=2, hidden_size=128, moe_intermediate_size=128, kv_lora_rank=128, qk_rope_head_dim=64)
     _greedy_ar_and_ddtree_match_xla(random_target(cfg, seed=4), "mosaic", max_new_tokens=5)
+    new = api.MOSAIC_NEW_IN_KERNEL
+    assert {(4, new), (1, 0)} <= seen and all(n == (new if t > 1 else 0) for t, n in seen), seen
 
 
 def test_auto_takes_the_xla_path_off_hopper_and_for_float32():

@@ -4,7 +4,8 @@ Kimi-K2 attention: kv_lora_rank R = 512, rope P = 64, 64 query heads, or the 8 o
 one GPU of a tensor-parallel split over 8; a 32K-token latent cache. Its routed
 experts: H = 7168, I = 2048, top-8, the 48 of one GPU of an 8-way expert-parallel
 split of 384. Trees of 16 / 32 / 64 / 128 nodes verify 17 / 33 / 65 / 129 tokens
-(the root included); an AR step verifies one.
+(the root included); an AR step verifies one. `kimi_k2_ep8_top1_tree32` routes each
+token to one local expert, as `experiments/k2_shard.py`'s shard model does.
 
 `shrink` scales a shape down for the CPU (interpret mode) while keeping its
 structure: the same token counts and head / expert counts, smaller widths.
@@ -58,5 +59,7 @@ MLA_SHAPES: dict[str, MLAShape] = {
 MOE_SHAPES: dict[str, MoEShape] = {
     **{f"kimi_k2_ep8_{k}": MoEShape(t) for k, t in TREE_TOKENS.items()},
     "kimi_k2_ep8_tree64_batch8": MoEShape(520),
+    # experiments/k2_shard.py's routing: one local expert a token (its 33-token verify crashed)
+    "kimi_k2_ep8_top1_tree32": MoEShape(33, top_k=1),
     "kimi_k2_ep8_prefill8192": MoEShape(8192),
 }

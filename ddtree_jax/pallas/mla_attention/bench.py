@@ -22,8 +22,10 @@ from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MLAShape
 
 
-def inputs(shape: MLAShape, key):
-    """Random bf16 operands of one call (a causal mask among the new tokens)."""
+def inputs(shape: MLAShape, key, ragged: bool = False):
+    """Random bf16 operands of one call (a causal mask among the new tokens): the cache full
+    (lengths S), or with `ragged` holding S - T entries, as a verify whose new tokens end at the
+    cache's last slot (`experiments/k2_shard.py`): the last cache block partly visible."""
     b, t, n, s, r, p = shape.batch, shape.tokens, shape.heads, shape.cache, shape.kv_lora_rank, shape.rope_dim
     ks = jax.random.split(key, 6)
     bf = jnp.bfloat16
@@ -33,7 +35,7 @@ def inputs(shape: MLAShape, key):
         jax.random.normal(ks[1], (b, t, n, p), bf),
         jax.random.normal(ks[2], (b, s, r), bf),
         jax.random.normal(ks[3], (b, s, p), bf),
-        jnp.full((b,), s, jnp.int32),
+        jnp.full((b,), s - t if ragged else s, jnp.int32),
         jax.random.normal(ks[4], (b, t, r), bf),
         jax.random.normal(ks[5], (b, t, p), bf),
         causal,
@@ -70,6 +72,7 @@ def main(argv=None):
         help="Mosaic tiles to try, each block_k,stages,num_splits[,new_in_kernel] (num_splits 0: chosen "
         "per shape; new_in_kernel, default 0: the most new tokens the kernel attends itself)",
     )
+    ap.add_argument("--ragged", action="store_true", help="cache lengths S - T, not S (see `inputs`)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
@@ -81,7 +84,7 @@ def main(argv=None):
     for name in args.shapes:
         shape = MLA_SHAPES[name].shrink() if args.smoke else MLA_SHAPES[name]
         r, p = shape.kv_lora_rank, shape.rope_dim
-        x = inputs(shape, jax.random.PRNGKey(0))
+        x = inputs(shape, jax.random.PRNGKey(0), args.ragged)
         flops, nbytes = cost(shape)
         expected = xla(*x)
         runs = [("xla", xla)] if "xla" in args.impl else []
