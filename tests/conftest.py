@@ -73,10 +73,20 @@ def pytest_collection_modifyitems(items):
     """The tests that use one of SHARED_FIXTURES form one xdist group per module (`make test`
     passes `--dist loadgroup`), so one worker builds the fixture; under plain "load" each worker
     built it again. Other tests are sent one by one: grouping every module-scoped fixture (most
-    are a random init of a second) put whole modules on one worker and left the other idle."""
+    are a random init of a second) put whole modules on one worker and left the other idle.
+
+    The groups run first, the 8-device sharding subprocess (1.5-2 min) first of all: xdist hands
+    out work in collection order, and a long group handed out last keeps one worker busy
+    while the other has nothing left."""
     for item in items:
         if SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+    def rank(item):
+        names = set(getattr(item, "fixturenames", ()))
+        return 0 if "sharded_runs" in names else 1 if SHARED_FIXTURES & names else 2
+
+    items.sort(key=rank)  # stable: each module keeps its order
 
 
 def pytest_unconfigure(config):
