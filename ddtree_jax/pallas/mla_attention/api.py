@@ -26,9 +26,9 @@ AVAILABLE = ("auto", "xla", "exact", "pallas", "mosaic")
 MOSAIC_NEW_IN_KERNEL = 256
 """`MosaicMLATiles.new_in_kernel` of the model's calls: the most new tokens whose keys the
 Mosaic kernel may attend itself, where `mosaic.new_split_pays` for the shard's shapes (else
-XLA computes their partial). 256 from session 31's H200 run (docs/benchmarks.md): 5-12% off
-TP-8 trees of 17 to 129 tokens at 32K; 0 gives XLA's partial everywhere. Read when a program is traced: set it before the first call, or
-call `jax.clear_caches()` after changing it."""
+XLA computes their partial). 256 from session 31's H200 run (docs/benchmarks.md): 4-10% off
+TP-8 trees of 17 to 129 tokens at 32K; 0 gives XLA's partial everywhere. Read when a program
+is traced: set it before the first call, or call `jax.clear_caches()` after changing it."""
 
 
 def _mosaic_takes(q_lat, q_pe, cache_ckv) -> bool:

@@ -141,8 +141,8 @@ def new_split_pays(
     modeled rounds (`num_splits`' model), the cost of XLA's partial that it replaces.
 
     Measured on an H200 at a 32K cache (docs/benchmarks.md, session 31): the new split saves
-    5-12% on TP-8 trees (8 heads x 17 / 65 tokens: 3 / 9 query tiles; modeled +0 / +3 blocks),
-    costs 3-6% on AR (one new key, where XLA's partial is one cheap row), and 32% on 65 tokens
+    4-10% on TP-8 trees (8 heads x 17 / 65 tokens: 3 / 9 query tiles; modeled +0 / +3 blocks),
+    costs 6-9% on AR (one new key, where XLA's partial is one cheap row), and 32% on 65 tokens
     x 64 heads (65 query tiles: the extra programs cut the splits; modeled +88 blocks).
     """
     if not 1 < tokens <= tiles.new_in_kernel:
