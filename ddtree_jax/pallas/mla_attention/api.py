@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import chex
 import jax
@@ -14,10 +13,10 @@ from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.mla_attention.exact import mla_attention_exact
 from ddtree_jax.pallas.mla_attention.mosaic import (
-    INTERPRET_NEW_FLAG,
     MosaicMLATiles,
     mla_attention_mosaic,
     new_split_pays,
+    new_split_runs,
 )
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 
@@ -144,8 +143,7 @@ def _mosaic(q_lat, q_pe, cache_ckv, *rest, scale, interpret):
     (and, in interpret mode, where XLA's CPU flag lets the interpreter run that split)."""
     b, t, n, _ = q_lat.shape
     tiles = MosaicMLATiles(new_in_kernel=MOSAIC_NEW_IN_KERNEL)
-    cpu_ready = interpret is None or INTERPRET_NEW_FLAG in os.environ.get("XLA_FLAGS", "")
-    if not (cpu_ready and new_split_pays(b, t, n, cache_ckv.shape[1], tiles)):
+    if not (new_split_runs(interpret) and new_split_pays(b, t, n, cache_ckv.shape[1], tiles)):
         tiles = MosaicMLATiles()
     return mla_attention_mosaic(q_lat, q_pe, cache_ckv, *rest, scale=scale, tiles=tiles, interpret=interpret)
 

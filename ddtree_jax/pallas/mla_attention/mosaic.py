@@ -60,6 +60,11 @@ H200_SMS = 132
 """SMs of an H200: the wave `num_splits` fills where the device does not say (CPU interpret)."""
 
 
+def new_split_runs(interpret) -> bool:
+    """Whether the new tokens' split can run: compiled, or interpreted under INTERPRET_NEW_FLAG."""
+    return interpret is None or INTERPRET_NEW_FLAG in os.environ.get("XLA_FLAGS", "")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicMLATiles:
     """Tiles of `mla_attention_mosaic` (validated on construction).
@@ -148,11 +153,11 @@ def new_split_pays(
     if not 1 < tokens <= tiles.new_in_kernel:
         return False
     sms, bk = _sms(sms), tiles.block_k
-    programs = batch * -(-tokens * heads // BLOCK_Q)
+    query_tiles = -(-tokens * heads // BLOCK_Q)
     blocks, new_blocks = cache_slots // bk, -(-tokens // bk)
 
     def best(nb):
-        return _rounds(programs, blocks, num_splits(batch, programs // batch, blocks, sms, nb), nb, sms)
+        return _rounds(batch * query_tiles, blocks, num_splits(batch, query_tiles, blocks, sms, nb), nb, sms)
 
     return best(new_blocks) <= best(0) + XLA_PARTIAL_BLOCKS
 
@@ -455,7 +460,7 @@ def mla_attention_mosaic(
         def keys(x):  # [B, T, X] -> [B, Tp, X]
             return jnp.pad(x.astype(dtype), ((0, 0), (0, tp - t), (0, 0)))
 
-        if interpret is not None and INTERPRET_NEW_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        if not new_split_runs(interpret):
             raise ValueError(
                 f"mla_attention_mosaic in interpret mode with T={t} <= new_in_kernel={tiles.new_in_kernel} "
                 f"needs XLA_FLAGS={INTERPRET_NEW_FLAG} set before jax starts (else its warpgroups deadlock)"
