@@ -4,8 +4,8 @@
 kernels on the GPU plane's stream lines, summed per call: the device's busy time),
 so host dispatch, Python and launch gaps do not count. A call spread over several
 GPUs (a sharded program) counts the busiest GPU's sum: the GPUs run their shares at
-once. Where the trace has no device plane (the CPU backend) it falls back to
-wall-clock time and says so.
+once. Off the GPU (the CPU backend), or where the trace has no GPU kernels, it times
+wall-clock instead and says so.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
     one before (`_rotations`). Each call's kernels (the same number every call) are
     summed; the median over the calls is returned.
     """
+    if jax.default_backend() != "gpu":
+        # No device plane to read, and the profiler's stop costs seconds per call in Mosaic GPU's
+        # interpreter (a trace event for each of its thousands of callbacks).
+        return time_call(lambda: fn(*args), reps)[0], "wall"
     fresh = lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x  # noqa: E731
     copies = [args] + [jax.tree.map(fresh, args) for _ in range(_rotations(args) - 1)]
     jax.block_until_ready(fn(*args))
