@@ -106,6 +106,16 @@ def test_mosaic_matches_reference(b, t, n, s, lens, splits, dtype, new_in_kernel
     np.testing.assert_allclose(got, want, **tol)
 
 
+def test_mosaic_ar_with_its_key_masked_and_lengths_outside_the_cache():
+    """One new token (XLA's one-key partial): visible, masked out, and over cache lengths past
+    S and below 0, which the kernel clamps to [0, S] itself."""
+    rng = np.random.default_rng(11)
+    mask = jnp.asarray([True, False, True]).reshape(3, 1, 1)
+    args = case(rng, 3, 1, 3, 128, 64, 192, [300, 30, -5], mask)
+    got = _mosaic(*args, scale=0.05, num_splits=2)
+    np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("new_in_kernel", [0, 129])
 def test_mosaic_with_a_real_129_node_tree(new_in_kernel):
     """129 tree tokens (query rows past two tiles) under the mask of a built tree; in the

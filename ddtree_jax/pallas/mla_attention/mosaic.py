@@ -193,7 +193,7 @@ def _accumulate(acc, a, b_ref, a_smem, interpret):
 
 
 def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
-    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B];
+    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B] (any);
     `new` None or the new tokens' (keys [B, Tp, R] / [B, Tp, P], bits [B, WB + Tp / 32, Qp]
     int32 whose first WB = BK / 32 words are 0) -> (o [B, NS', Qp, R] in the cache dtype,
     lse [B, NS', Qp] float32, natural log): NS cache splits, then with `new` the new tokens'.
@@ -224,7 +224,8 @@ def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
         wg = jax.lax.axis_index("wg")
         rows = pl.ds(j * BLOCK_Q, BLOCK_Q)
         lo = k * chunk
-        hi = jnp.minimum(lo + chunk, lens_ref[bi])
+        # Clamped here rather than by XLA before the call: one launch less.
+        hi = jnp.minimum(jnp.minimum(lo + chunk, s), lens_ref[bi])
         steps = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
         if with_new:
             is_new = k == ns
@@ -386,6 +387,13 @@ def _mask_words(new_mask, n, tp, qp, lead):
 def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
     """The new tokens' keys in XLA, float32: (o [B, T, N, R] normalized, lse [B, T, N])."""
     f32 = jnp.float32
+    if new_ckv.shape[1] == 1:
+        # One key (AR): its softmax weight is 1 and its log-sum-exp the score itself, so the
+        # partial is one elementwise reduction that XLA fuses, not two products and a logsumexp.
+        s = jnp.sum(q_lat.astype(f32) * new_ckv[:, :, None].astype(f32), axis=-1)
+        s += jnp.sum(q_pe.astype(f32) * new_kpe[:, :, None].astype(f32), axis=-1)
+        lse = jnp.where(new_mask[:, :, :1], s * scale, MASK_VALUE)  # [B, 1, N]
+        return jnp.broadcast_to(new_ckv[:, :, None].astype(f32), q_lat.shape), lse
     s = jnp.einsum("btnr,bur->btnu", q_lat.astype(f32), new_ckv.astype(f32))
     s += jnp.einsum("btnp,bup->btnu", q_pe.astype(f32), new_kpe.astype(f32))
     s = jnp.where(new_mask[:, :, None, :], s * scale, MASK_VALUE)
@@ -451,7 +459,7 @@ def mla_attention_mosaic(
     def rows(x):  # [B, T, N, X] -> [B, Qp, X]
         return jnp.pad(x.reshape(b, q, x.shape[-1]).astype(dtype), ((0, 0), (0, qp - q), (0, 0)))
 
-    lens = jnp.clip(cache_len.astype(jnp.int32), 0, s)
+    lens = cache_len.astype(jnp.int32)  # clamped to [0, S] in the kernel
     new = None
     if t <= tiles.new_in_kernel:  # the new tokens as the kernel's last split
         bk = tiles.block_k
