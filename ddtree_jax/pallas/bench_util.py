@@ -47,6 +47,11 @@ def kernel_events(trace_dir: str) -> tuple[list[tuple[float, float, str, str]], 
     return sorted(out), seen
 
 
+PROFILER = True
+"""Whether `device_time` reads the profiler's trace on the GPU; False times wall-clock there too
+(`--set ddtree_jax.pallas.bench_util.PROFILER=False`: to tell a fault of the profiler's from one
+of the program's)."""
+
 L2_BYTES = 50 * 2**20
 """An H200's L2 cache (50 MiB): inputs are rotated past it, so each call reads from HBM."""
 
@@ -67,7 +72,7 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
     one before (`_rotations`). Each call's kernels (the same number every call) are
     summed; the median over the calls is returned.
     """
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" or not PROFILER:
         # No device plane to read, and the profiler's stop costs seconds per call in Mosaic GPU's
         # interpreter (a trace event for each of its thousands of callbacks).
         return time_call(lambda: fn(*args), reps)[0], "wall"
