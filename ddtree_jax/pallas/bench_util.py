@@ -67,15 +67,23 @@ def _rotations(args) -> int:
 def device_time(fn, args, reps: int) -> tuple[float, str]:
     """(median device seconds per call of fn(*args), "device" or "wall").
 
-    One untimed call compiles; `reps` calls run under the profiler, cycling through
-    enough copies of `args` that no call finds its inputs in the L2 cache left by the
-    one before (`_rotations`). Each call's kernels (the same number every call) are
-    summed; the median over the calls is returned.
+    On the GPU (with `PROFILER`): one untimed call compiles; `reps` calls run under the
+    profiler, cycling through enough copies of `args` that no call finds its inputs in the L2
+    cache left by the one before (`_rotations`). Each call's kernels (the same number every
+    call) are summed; the median over the calls is returned. Otherwise, or where the trace
+    cannot tell the calls apart, the median wall-clock time of `reps` calls.
     """
-    if jax.default_backend() != "gpu" or not PROFILER:
-        # No device plane to read, and the profiler's stop costs seconds per call in Mosaic GPU's
-        # interpreter (a trace event for each of its thousands of callbacks).
-        return time_call(lambda: fn(*args), reps)[0], "wall"
+    # Off the GPU there is no device plane to read, and the profiler's stop costs seconds per
+    # call in Mosaic GPU's interpreter (a trace event for each of its thousands of callbacks).
+    if jax.default_backend() == "gpu" and PROFILER:
+        sums = _kernel_sums(fn, args, reps)
+        if sums is not None:
+            return statistics.median(sums), "device"
+    return time_call(lambda: fn(*args), reps)[0], "wall"
+
+
+def _kernel_sums(fn, args, reps: int) -> list[float] | None:
+    """Each of `reps` profiled calls' kernel seconds (`busiest_gpu_per_call`), or None, said."""
     fresh = lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x  # noqa: E731
     copies = [args] + [jax.tree.map(fresh, args) for _ in range(_rotations(args) - 1)]
     jax.block_until_ready(fn(*args))
@@ -89,10 +97,8 @@ def device_time(fn, args, reps: int) -> tuple[float, str]:
         events, seen = kernel_events(trace_dir)
     sums = busiest_gpu_per_call(events, reps)
     if sums is None:
-        if jax.default_backend() == "gpu":
-            print(f"device_time: {len(events)} kernels for {reps} calls; trace lines: {sorted(set(seen))[:20]}")
-        return time_call(lambda: fn(*args), reps)[0], "wall"
-    return statistics.median(sums), "device"
+        print(f"device_time: {len(events)} kernels for {reps} calls; trace lines: {sorted(set(seen))[:20]}")
+    return sums
 
 
 def busiest_gpu_per_call(events: list[tuple[float, float, str, str]], reps: int) -> list[float] | None:

@@ -193,7 +193,8 @@ def _accumulate(acc, a, b_ref, a_smem, interpret):
 
 
 def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
-    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B] (any);
+    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B] int32
+    (any value: clamped to [0, S] here);
     `new` None or the new tokens' (keys [B, Tp, R] / [B, Tp, P], bits [B, WB + Tp / 32, Qp]
     int32 whose first WB = BK / 32 words are 0) -> (o [B, NS', Qp, R] in the cache dtype,
     lse [B, NS', Qp] float32, natural log): NS cache splits, then with `new` the new tokens'.
