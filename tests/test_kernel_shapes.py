@@ -80,3 +80,46 @@ def test_moe_kernel_on_named_shapes(name, impl):
     want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if int4 else moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
+# Lowered for CUDA on the CPU (no GPU needed): Mosaic GPU's layout inference, relayouts and
+# register / shared-memory checks of the compiled kernels at the real shapes, which interpret
+# mode skips (it takes wgmma's A operand through shared memory). Abstract operands: nothing of
+# the full-size weights is allocated.
+LOWERED_MLA = list(MLA_SHAPES)
+LOWERED_MOE = ["kimi_k2_ep8_ar", "kimi_k2_ep8_top1_tree32", "kimi_k2_ep8_tree64_batch8", "kimi_k2_ep8_prefill8192"]
+
+
+def _lowered_for_cuda(fn, *abstract_args) -> str:
+    return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(("new_in_kernel", "ragged"), [(0, False), (256, True)])
+@pytest.mark.parametrize("name", LOWERED_MLA)
+def test_mla_kernel_lowers_for_the_gpu(name, new_in_kernel, ragged):
+    shape = MLA_SHAPES[name]
+    args = jax.eval_shape(lambda: mla_bench.inputs(shape, jax.random.PRNGKey(1), ragged))
+    scale = (shape.kv_lora_rank + shape.rope_dim) ** -0.5
+    tiles = MosaicMLATiles(new_in_kernel=new_in_kernel)
+    text = _lowered_for_cuda(lambda *a: mla_attention_mosaic(*a, scale=scale, tiles=tiles), *args)
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "mosaic-ws1", "w4a16", "w4a16-ws1", "w4a16-ws2"])
+@pytest.mark.parametrize("name", LOWERED_MOE)
+def test_moe_kernels_lower_for_the_gpu(name, impl):
+    shape = MOE_SHAPES[name]
+    int4 = impl.startswith("w4a16")
+
+    def operands():
+        args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
+        return (*args[:3], *(Int4(32).quantize(a) for a in args[3:])) if int4 else args
+
+    kernel = {
+        "mosaic": moe_experts_mosaic,
+        "mosaic-ws1": functools.partial(moe_experts_mosaic, tiles=MosaicMoETiles(consumers=1)),
+        "w4a16": moe_experts_w4a16,
+        "w4a16-ws1": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=1)),
+        "w4a16-ws2": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=2)),
+    }[impl]
+    assert "mosaic_gpu" in _lowered_for_cuda(kernel, *jax.eval_shape(operands))
