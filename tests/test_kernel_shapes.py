@@ -56,18 +56,9 @@ def test_mla_kernel_on_named_shapes(name, new_in_kernel, ragged):
     assert err < 3e-2 * float(jnp.max(jnp.abs(want))), err
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "mosaic", "mosaic-ws1", "w4a16", "w4a16-ws1", "w4a16-ws2"])
-@pytest.mark.parametrize("name", list(MOE_SHAPES))
-def test_moe_kernel_on_named_shapes(name, impl):
-    if impl != "pallas" and not ON_GPU:
-        pytest.skip("Mosaic GPU on the CPU: tests/test_moe_kernel.py (interpret mode, small shapes)")
-    shape = _shape(MOE_SHAPES, name)
-    args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
-    int4 = impl.startswith("w4a16")
-    if int4:  # the same weights quantized (group 32); the reference dequantizes them
-        args = (*args[:3], *(Int4(32).quantize(a) for a in args[3:]))
-    kernel = {
+def _moe_kernel(impl: str):
+    return {
+        "pallas": functools.partial(moe_experts_pallas, interpret=not ON_GPU),
         "mosaic": moe_experts_mosaic,
         # warp specialized: a producer warpgroup and 1 consumer (consumers=2 is refused compiled:
         # it failed intermittently on an H200, see mosaic.refuse_two_consumers)
@@ -75,8 +66,26 @@ def test_moe_kernel_on_named_shapes(name, impl):
         "w4a16": moe_experts_w4a16,
         "w4a16-ws1": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=1)),
         "w4a16-ws2": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=2)),
-    }.get(impl, functools.partial(moe_experts_pallas, interpret=not ON_GPU))
-    got = jax.jit(kernel)(*args).astype(jnp.float32)
+    }[impl]
+
+
+def _moe_operands(shape, impl: str):
+    """The bench's operands; for W4A16 the same weights quantized (group 32), which the
+    reference dequantizes."""
+    args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
+    return (*args[:3], *(Int4(32).quantize(a) for a in args[3:])) if impl.startswith("w4a16") else args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "mosaic-ws1", "w4a16", "w4a16-ws1", "w4a16-ws2"])
+@pytest.mark.parametrize("name", list(MOE_SHAPES))
+def test_moe_kernel_on_named_shapes(name, impl):
+    if impl != "pallas" and not ON_GPU:
+        pytest.skip("Mosaic GPU on the CPU: tests/test_moe_kernel.py (interpret mode, small shapes)")
+    shape = _shape(MOE_SHAPES, name)
+    args = _moe_operands(shape, impl)
+    got = jax.jit(_moe_kernel(impl))(*args).astype(jnp.float32)
+    int4 = impl.startswith("w4a16")
     want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if int4 else moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
@@ -108,18 +117,5 @@ def test_mla_kernel_lowers_for_the_gpu(name, new_in_kernel, ragged):
 @pytest.mark.parametrize("impl", ["mosaic", "mosaic-ws1", "w4a16", "w4a16-ws1", "w4a16-ws2"])
 @pytest.mark.parametrize("name", LOWERED_MOE)
 def test_moe_kernels_lower_for_the_gpu(name, impl):
-    shape = MOE_SHAPES[name]
-    int4 = impl.startswith("w4a16")
-
-    def operands():
-        args = moe_bench.inputs(shape, jax.random.PRNGKey(2))
-        return (*args[:3], *(Int4(32).quantize(a) for a in args[3:])) if int4 else args
-
-    kernel = {
-        "mosaic": moe_experts_mosaic,
-        "mosaic-ws1": functools.partial(moe_experts_mosaic, tiles=MosaicMoETiles(consumers=1)),
-        "w4a16": moe_experts_w4a16,
-        "w4a16-ws1": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=1)),
-        "w4a16-ws2": functools.partial(moe_experts_w4a16, tiles=W4A16Tiles(stages=4, consumers=2)),
-    }[impl]
-    assert "mosaic_gpu" in _lowered_for_cuda(kernel, *jax.eval_shape(operands))
+    operands = jax.eval_shape(lambda: _moe_operands(MOE_SHAPES[name], impl))
+    assert "mosaic_gpu" in _lowered_for_cuda(_moe_kernel(impl), *operands)
