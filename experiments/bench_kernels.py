@@ -34,6 +34,7 @@ import json
 import os
 import time
 
+import _settings
 import jax
 import jax.numpy as jnp
 
@@ -178,7 +179,9 @@ def main(argv=None):
     ap.add_argument("--only", choices=("mla", "moe"), default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="start no new row after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="CPU check: shrunk shapes, interpret mode")
+    _settings.add_argument(ap)
     args = ap.parse_args(argv)
+    _settings.apply(args.set)
     if args.smoke:
         args.quick = True
     start = time.perf_counter()

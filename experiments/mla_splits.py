@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 
+import _settings
 import jax
 import jax.numpy as jnp
 
@@ -52,7 +53,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU: shrunk shapes, interpret mode")
     ap.add_argument("--splits", type=int, nargs="+", default=None, help="also run these split counts on every shape")
     ap.add_argument("--kernels", type=int, default=0, help="also list each call's N largest kernels (GPU)")
+    _settings.add_argument(ap)
     args = ap.parse_args(argv)
+    _settings.apply(args.set)
     interpret = mosaic_interpret() if args.smoke else None
     sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
     start, rows = time.monotonic(), []

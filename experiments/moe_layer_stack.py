@@ -27,6 +27,7 @@ import argparse
 import json
 import re
 
+import _settings
 import jax
 import jax.numpy as jnp
 
@@ -123,7 +124,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU check: 4 experts of 128 x 128, interpret mode")
+    _settings.add_argument(ap)
     args = ap.parse_args(argv)
+    _settings.apply(args.set)
     if args.smoke and mosaic_interpret() is None:
         raise SystemExit("--smoke is the CPU check (Mosaic GPU's interpret mode)")
     e, h, i, k = (SMOKE if args.smoke else SHAPE).values()

@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 
+import _settings
 import jax
 import jax.numpy as jnp
 
@@ -55,7 +56,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU check: 4 experts of 128 x 128, interpret mode")
+    _settings.add_argument(ap)
     args = ap.parse_args(argv)
+    _settings.apply(args.set)
     e, h, i, k = (SMOKE if args.smoke else SHAPE).values()
     interpret = mosaic_interpret() if args.smoke else None
     tiles = {spec: tiles_from(spec) for spec in args.tiles}  # a malformed one fails before any run
