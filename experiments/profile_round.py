@@ -13,6 +13,9 @@ not on tau).
 `--kernels N` also traces both loops (GPU): kernels launched and their device time per
 round, and the N largest; `--stage-kernels N` the same for each stage alone, and
 `--stage-hlo DIR` writes each stage's compiled HLO (its fusions are the kernels' names).
+`--pairs N` also times AR and DDTree in the loop in N interleaved pairs and reports the
+median round / AR ratio with its quartiles, which a drift of the machine between the
+separate in-loop measurements cannot move.
 `--set MODULE.NAME=VALUE` overrides a module constant first, so one call can profile a
 change on and off, e.g.
 `--set ddtree_jax.generate.HOIST_LOOP_INVARIANTS=False ddtree_jax.tree.TOP_K_CHUNK=0`.
@@ -108,6 +111,51 @@ def in_loop(
     return (t_all - t_one) / rounds, table, t_one
 
 
+def paired_in_loop(target, dparams, prompts, budget, tokens: int, pairs: int, **gen_kwargs) -> dict:
+    """Round / AR step in the loop from `pairs` interleaved measurements: each pair times the
+    one-token and the `tokens` call of AR and of DDTree(`budget`) back to back (alternating which
+    goes first), so a drift of the machine between separate measurements (the AR step moved 9-18%
+    between lines of one call in session 32) falls on both sides of each ratio.
+
+    Returns the medians of the per-pair AR step and round (ms) and of their ratio, with the
+    ratio's quartiles; a pair whose AR difference is not positive (a busy CPU) gives no ratio.
+    """
+    calls = {
+        (method, m): lambda method=method, m=m: generate(
+            target,
+            None if method == "ar" else dparams,
+            prompts,
+            method=method,
+            tree_budget=budget,
+            max_new_tokens=m,
+            stop_token_ids=(),
+            **gen_kwargs,
+        )
+        for method in ("ar", "ddtree")
+        for m in (1, tokens)
+    }
+    rounds = {}
+    for (method, m), call in calls.items():  # compiles each; the rounds of a `tokens` call (the same every call)
+        res = jax.block_until_ready(call())
+        if m == tokens:
+            rounds[method] = float(np.asarray(res.rounds).max())
+    steps = {"ar": [], "ddtree": []}
+    for i in range(pairs):
+        for method in ("ar", "ddtree") if i % 2 == 0 else ("ddtree", "ar"):
+            t = {m: time_call(calls[method, m], repeats=1, warmup=0)[0] for m in (1, tokens)}
+            steps[method].append((t[tokens] - t[1]) / rounds[method] * 1e3)
+    ar, dd = np.asarray(steps["ar"]), np.asarray(steps["ddtree"])
+    ratios = dd[ar > 0] / ar[ar > 0]
+    quartiles = np.percentile(ratios, [25, 50, 75]).tolist() if ratios.size else [float("nan")] * 3
+    return {
+        "pairs": pairs,
+        "paired_ar_in_loop_ms": float(np.median(ar)),
+        "paired_round_in_loop_ms": float(np.median(dd)),
+        "paired_round_over_ar": quartiles[1],
+        "paired_round_over_ar_q25_q75": [quartiles[0], quartiles[2]],
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoints", default=None)
@@ -117,6 +165,12 @@ def main():
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--loop-tokens", type=int, default=128, help="generated tokens for the in-loop timing")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="also time round / AR in the loop from N interleaved AR / DDTree pairs (median, quartiles)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
         "--unroll-max-layers",
@@ -237,6 +291,8 @@ def main():
             row["round_over_ar_in_loop"] = t_round_loop / t_ar_loop
             # What a generate call costs beyond its rounds (one-token call): paid once per prompt.
             row["ar_call_ms"], row["round_call_ms"] = t_ar_one * 1e3, t_round_one * 1e3
+            if args.pairs:
+                row.update(paired_in_loop(target, dparams, loop_prompts, budget, args.loop_tokens, args.pairs))
             if args.kernels:
                 row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels
             if args.stage_kernels:
@@ -255,6 +311,13 @@ def main():
             f"| {r['batch']} | {r['budget']} | {r['ar_step_ms']:.3f} | {r['draft_ms']:.3f} | {r['tree_ms']:.3f} | "
             f"{r['verify_ms']:.3f} | {r['accept_commit_ms']:.3f} | {r['sum_ms']:.3f} | {r['sum_over_ar']:.2f} | "
             f"{r['ar_in_loop_ms']:.3f} | {r['round_in_loop_ms']:.3f} | {r['round_over_ar_in_loop']:.2f} |"
+        )
+    for r in rows if args.pairs else ():
+        q25, q75 = r["paired_round_over_ar_q25_q75"]
+        print(
+            f"batch {r['batch']} budget {r['budget']}, {r['pairs']} interleaved pairs: AR in loop "
+            f"{r['paired_ar_in_loop_ms']:.3f} ms, round {r['paired_round_in_loop_ms']:.3f} ms, round / AR "
+            f"{r['paired_round_over_ar']:.3f} (quartiles {q25:.3f} - {q75:.3f})"
         )
     for r in rows:
         for name, k in r.get("stage_kernels", {}).items():

@@ -357,7 +357,7 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
         "profile_round.py",
         *("--checkpoints", tiny_pair),
         *("--batch-sizes", "1", "--budgets", "8", "--context", "16", "--reps", "2"),
-        *("--loop-tokens", "8", "--dtype", "float32", "--out", out, "--stage-hlo", tmp_path / "hlo"),
+        *("--loop-tokens", "8", "--dtype", "float32", "--out", out, "--stage-hlo", tmp_path / "hlo", "--pairs", "3"),
     )
     assert res.returncode == 0, res.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
@@ -371,6 +371,11 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     assert all(math.isfinite(row[k]) for k in ("ar_in_loop_ms", "round_in_loop_ms"))
     assert row["sum_ms"] == pytest.approx(sum(row[k] for k in stages))
     assert row["round_over_ar_in_loop"] == pytest.approx(row["round_in_loop_ms"] / row["ar_in_loop_ms"])
+    # Interleaved pairs: medians of three, the ratio's quartiles around its median (NaN only if
+    # no pair's AR difference came out positive on a busy CPU).
+    assert row["pairs"] == 3 and all(math.isfinite(row[k]) for k in ("paired_ar_in_loop_ms", "paired_round_in_loop_ms"))
+    q25, q75 = row["paired_round_over_ar_q25_q75"]
+    assert math.isnan(row["paired_round_over_ar"]) or q25 <= row["paired_round_over_ar"] <= q75
 
 
 def test_call_cost_splits_a_call_from_its_rounds(tiny_pair, tmp_path):
