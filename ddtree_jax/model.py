@@ -424,9 +424,10 @@ HOIST_SHARED_OUT_MAJOR = False
 On the H200, XLA merges them with the dense routed pass of a verify into one GEMM that reads
 every weight [out, in], and transposes the two [H, I] weights of each layer for it every round
 (14 transposes, ~0.022 ms a DDTree(12) round of the shipped pair; docs/benchmarks.md, "One
-round in the loop"). Off: on an H100 (session 32) the round in the loop was 0.5-13% faster with
-it in two calls, but the AR step moved more than that between runs; to decide on an H200 with
-repetitions (`experiments/profile_round.py --set ddtree_jax.model.HOIST_SHARED_OUT_MAJOR=True`).
+round in the loop"). Off: on an H100 the round in the loop was 0.5-13% faster with it (session
+32, two calls) and 3% faster (session 34), but the AR step got 7% faster too, so a round cost
+4% more AR steps in 21 interleaved pairs (`experiments/profile_round.py --pairs 21 --set
+ddtree_jax.model.HOIST_SHARED_OUT_MAJOR=True`); not yet timed that way on an H200.
 It changes a float32 forward's last bits."""
 
 
