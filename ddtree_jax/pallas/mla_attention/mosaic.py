@@ -390,10 +390,11 @@ def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
     f32 = jnp.float32
     if new_ckv.shape[1] == 1:
         # One key (AR): its softmax weight is 1 and its log-sum-exp the score itself, so the
-        # partial is one elementwise reduction that XLA fuses, not two products and a logsumexp.
-        s = jnp.sum(q_lat.astype(f32) * new_ckv[:, :, None].astype(f32), axis=-1)
-        s += jnp.sum(q_pe.astype(f32) * new_kpe[:, :, None].astype(f32), axis=-1)
-        lse = jnp.where(new_mask[:, :, :1], s * scale, MASK_VALUE)  # [B, 1, N]
+        # partial is one reduction over the R + P columns (one launch), not two products and a
+        # logsumexp.
+        q = jnp.concatenate([q_lat, q_pe], axis=-1).astype(f32)  # [B, 1, N, R + P]
+        k = jnp.concatenate([new_ckv, new_kpe], axis=-1)[:, :, None].astype(f32)
+        lse = jnp.where(new_mask[:, :, :1], jnp.sum(q * k, axis=-1) * scale, MASK_VALUE)  # [B, 1, N]
         return jnp.broadcast_to(new_ckv[:, :, None].astype(f32), q_lat.shape), lse
     s = jnp.einsum("btnr,bur->btnu", q_lat.astype(f32), new_ckv.astype(f32))
     s += jnp.einsum("btnp,bup->btnu", q_pe.astype(f32), new_kpe.astype(f32))
@@ -415,9 +416,12 @@ def _merge(o, lse, new=None):
         top = jnp.maximum(top, new[1])
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp(lse - top[:, None])
-    # An elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
-    out = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=1)
-    total = jnp.sum(w, axis=1)
+    # One reduction gives the weighted sum and the total weight (o with a column of ones), so the
+    # weights have one consumer and XLA fuses their exp into it: one launch, not three. An
+    # elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
+    ones = jnp.ones((*o.shape[:-1], 1), jnp.float32)
+    acc = jnp.sum(w[..., None] * jnp.concatenate([o.astype(jnp.float32), ones], axis=-1), axis=1)
+    out, total = acc[..., :-1], acc[..., -1]
     if new is not None:
         w_new = jnp.exp(new[1] - top)
         out, total = out + w_new[..., None] * new[0], total + w_new
