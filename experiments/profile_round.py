@@ -70,6 +70,22 @@ def per_call(fn, args, reps: int, repeats: int = 3, kernels: int = 0, hlo: str |
     return seconds, kernel_table(lambda: compiled(args), 1, kernels, per=reps) if kernels else None
 
 
+def loop_call(target, dparams, prompts, method: str, budget, tokens: int, **gen_kwargs):
+    """A no-argument call of `generate` for `tokens` new tokens by `method` (the drafter only
+    where the method drafts), as the in-loop timings run it."""
+    draft = None if method == "ar" else dparams
+    return lambda: generate(
+        target,
+        draft,
+        prompts,
+        method=method,
+        tree_budget=budget,
+        max_new_tokens=tokens,
+        stop_token_ids=(),
+        **gen_kwargs,
+    )
+
+
 def in_loop(
     target, dparams, prompts, method: str, budget, tokens: int, repeats: int = 3, kernels: int = 0, **gen_kwargs
 ):
@@ -81,12 +97,9 @@ def in_loop(
     `kernels` largest by time (`bench_util.kernel_table`); else the table is None. `gen_kwargs`
     go to `generate` (e.g. numerics).
     """
-    draft = None if method == "ar" else dparams
 
     def call(m):
-        return lambda: generate(
-            target, draft, prompts, method=method, tree_budget=budget, max_new_tokens=m, stop_token_ids=(), **gen_kwargs
-        )
+        return loop_call(target, dparams, prompts, method, budget, m, **gen_kwargs)
 
     def run(m):
         seconds, res = time_call(call(m), repeats)
@@ -121,16 +134,7 @@ def paired_in_loop(target, dparams, prompts, budget, tokens: int, pairs: int, **
     ratio's quartiles; a pair whose AR difference is not positive (a busy CPU) gives no ratio.
     """
     calls = {
-        (method, m): lambda method=method, m=m: generate(
-            target,
-            None if method == "ar" else dparams,
-            prompts,
-            method=method,
-            tree_budget=budget,
-            max_new_tokens=m,
-            stop_token_ids=(),
-            **gen_kwargs,
-        )
+        (method, m): loop_call(target, dparams, prompts, method, budget, m, **gen_kwargs)
         for method in ("ar", "ddtree")
         for m in (1, tokens)
     }
@@ -195,6 +199,8 @@ def main():
     if args.stage_hlo:
         os.makedirs(args.stage_hlo, exist_ok=True)
     _settings.apply(args.set)
+    if args.pairs < 0:
+        ap.error(f"--pairs must be >= 0, got {args.pairs}")
 
     dtype = jnp.dtype(args.dtype)
     if args.random:

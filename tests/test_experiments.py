@@ -376,6 +376,7 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     assert row["pairs"] == 3 and all(math.isfinite(row[k]) for k in ("paired_ar_in_loop_ms", "paired_round_in_loop_ms"))
     q25, q75 = row["paired_round_over_ar_q25_q75"]
     assert math.isnan(row["paired_round_over_ar"]) or q25 <= row["paired_round_over_ar"] <= q75
+    assert "--pairs must be >= 0, got -1" in refusal("profile_round.py", "--pairs", "-1")
 
 
 def test_call_cost_splits_a_call_from_its_rounds(tiny_pair, tmp_path):

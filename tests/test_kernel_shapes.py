@@ -95,7 +95,6 @@ def test_moe_kernel_on_named_shapes(name, impl):
 # register / shared-memory checks of the compiled kernels at the real shapes, which interpret
 # mode skips (it takes wgmma's A operand through shared memory). Abstract operands: nothing of
 # the full-size weights is allocated.
-LOWERED_MLA = list(MLA_SHAPES)
 LOWERED_MOE = ["kimi_k2_ep8_ar", "kimi_k2_ep8_top1_tree32", "kimi_k2_ep8_tree64_batch8", "kimi_k2_ep8_prefill8192"]
 
 
@@ -104,7 +103,7 @@ def _lowered_for_cuda(fn, *abstract_args) -> str:
 
 
 @pytest.mark.parametrize(("new_in_kernel", "ragged"), [(0, False), (256, True)])
-@pytest.mark.parametrize("name", LOWERED_MLA)
+@pytest.mark.parametrize("name", list(MLA_SHAPES))
 def test_mla_kernel_lowers_for_the_gpu(name, new_in_kernel, ragged):
     shape = MLA_SHAPES[name]
     args = jax.eval_shape(lambda: mla_bench.inputs(shape, jax.random.PRNGKey(1), ragged))
