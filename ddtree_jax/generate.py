@@ -128,7 +128,10 @@ to 4.15 ms (ddtree(32)). False: the unrolled prefill (for before / after runs)."
 
 
 def for_loop(target: TargetParams, drafter, numerics: str, implementation: str):
-    """(target, drafter) as the decode loop holds them (`HOIST_LOOP_INVARIANTS`); drafter may be None."""
+    """(target, drafter) as the decode loop holds them (`HOIST_LOOP_INVARIANTS`), the DFlash
+    drafter's attention on `implementation`'s kernels; drafter may be None."""
+    if isinstance(drafter, DFlashDrafter):
+        drafter = drafter.replace(implementation=implementation)
     if not HOIST_LOOP_INVARIANTS:
         return target, drafter
     if drafter is not None and hasattr(drafter, "for_loop"):

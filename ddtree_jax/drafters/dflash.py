@@ -47,6 +47,8 @@ from ddtree_jax.layers import (
     unstack,
 )
 from ddtree_jax.model import TargetParams
+from ddtree_jax.pallas.drafter_attention.api import drafter_attention
+from ddtree_jax.pallas.drafter_attention.reference import masked_attention
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 __all__ = [
@@ -634,59 +636,24 @@ def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]
     return scan_layers(body, None, params.layers, unroll=True)[1]
 
 
-def _attention(
-    q: jax.Array,  # [B, T, Nq, hd]
-    k_ctx: jax.Array,  # [B, S, Nkv, hd]
-    v_ctx: jax.Array,
-    ctx_visible: jax.Array,  # [B, T or 1, S] bool
-    k_blk: jax.Array,  # [B, T, Nkv, hd]
-    v_blk: jax.Array,
-    blk_visible: jax.Array | None = None,  # [B, T, T] bool; None = every block token
-) -> jax.Array:
-    """Block queries over visible context keys plus visible block keys. -> [B, T, Nq, hd].
+def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots):
+    """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis.
 
-    Every query must see at least its own block token (no row is all masked).
-    """
-    b, t, nq, hd = q.shape
-    nkv, s = k_blk.shape[2], k_ctx.shape[1]
-    # HF repeat_kv: kv head j serves the contiguous query heads j*G .. j*G + G - 1.
-    qg = q.reshape(b, t, nkv, nq // nkv, hd)
-    s_ctx = einsum("btkgd,bskd->bkgts", qg, k_ctx)
-    s_ctx = jnp.where(ctx_visible[:, None, None], s_ctx, -jnp.inf)
-    s_blk = einsum("btkgd,bukd->bkgtu", qg, k_blk)
-    if blk_visible is not None:
-        s_blk = jnp.where(blk_visible[:, None, None], s_blk, -jnp.inf)
-    p = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1)
-    o = einsum("bkgts,bskd->btkgd", p[..., :s].astype(v_ctx.dtype), v_ctx)
-    o = o + einsum("bkgtu,bukd->btkgd", p[..., s:].astype(v_blk.dtype), v_blk)
-    return o.reshape(b, t, nq, hd).astype(q.dtype)
-
-
-def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, ctx_visible, blk_visible, slots):
-    """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis."""
+    attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal) -> [B, T, Nq, hd] is a layer's attention,
+    given its window and causal flag (traced scalars)."""
     cfg = params.config
     eps = cfg.rms_norm_eps
     x = sharding.embed_rows(embed, x_tokens).astype(params.dtype)
     cos, sin = _rope(cfg, positions)
-    # Context slot s holds position s: query-minus-key distances for the sliding windows.
-    distance = positions[:, :, None] - jnp.arange(layer_kv[0].shape[2], dtype=jnp.int32)
     windows = jnp.asarray(cfg.windows, jnp.int32)
     causal = jnp.asarray(cfg.causal_layers)
-    blk_causal = None
-    if any(cfg.causal_layers):
-        earlier = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key at or before query
-        blk_causal = earlier if blk_visible is None else blk_visible & earlier
 
     def body(x, xs):
         lp, k_ctx, v_ctx, window, is_causal = xs
-        visible = ctx_visible if cfg.layer_types is None else ctx_visible & (distance < window)
-        own = blk_visible
-        if blk_causal is not None:
-            own = jnp.where(is_causal, blk_causal, True if blk_visible is None else blk_visible)  # [B, T, T]
         h = rms_norm(x, lp.input_norm, eps)
         q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
         k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
-        o = _attention(q, k_ctx, v_ctx, visible, k_blk, v_blk, own)
+        o = attend(q, k_ctx, v_ctx, k_blk, v_blk, window, is_causal)
         x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
@@ -741,6 +708,7 @@ def draft(
     unembed: jax.Array,  # [H, V] the target's lm_head
     block_tokens: jax.Array,  # [B, T] int32: [root, mask, ...]
     block_positions: jax.Array,  # [B, T] int32
+    implementation: str = "xla",
 ) -> jax.Array:
     """One drafter forward over a block; float32 logits [B, T - 1, V] for block slots 1 .. T-1.
 
@@ -754,6 +722,9 @@ def draft(
       unembed: the target's output projection.
       block_tokens: the root (bonus) token followed by mask tokens.
       block_positions: absolute positions of the block, L .. L + T - 1.
+      implementation: the block attention's (`pallas.drafter_attention.api`): "xla", or
+        "auto" / "pallas" for its kernel, which reads only the slots in a sliding layer's window
+        ("auto": on a GPU, where every layer's window or the cache is short).
 
     Returns:
       Logits of the masked slots.
@@ -768,11 +739,25 @@ def draft(
     if t < 2:
         raise ValueError(f"a block needs the root and >= 1 mask slot, got {t} tokens")
     with jax.named_scope("draft"):
-        ctx_visible = (jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None])[:, None, :]
+        reach = min(max(cfg.windows), cache.capacity)  # the most context slots a query sees
+
+        def attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal):
+            return drafter_attention(
+                q,
+                k_ctx,
+                v_ctx,
+                cache.lengths,
+                block_positions,
+                k_blk,
+                v_blk,
+                window=window,
+                causal=causal,
+                reach=reach,
+                implementation=implementation,
+            )
+
         slots = jnp.broadcast_to(jnp.arange(1, t), (b, t - 1))
-        return _blocks(
-            params, embed, unembed, block_tokens, block_positions, (cache.k, cache.v), ctx_visible, None, slots
-        )
+        return _blocks(params, embed, unembed, block_tokens, block_positions, (cache.k, cache.v), attend, slots)
 
 
 def train_logits(
@@ -808,6 +793,13 @@ def train_logits(
         q_anchor = jnp.repeat(anchors, bs, axis=1)  # [B, A*bs]
         ctx_visible = jnp.arange(t)[None, None, :] < q_anchor[:, :, None]
         blk_visible = jnp.broadcast_to(owner[:, None] == owner[None, :], (b, a * bs, a * bs))
+        distance = positions[:, :, None] - jnp.arange(t, dtype=jnp.int32)  # context slot s holds position s
+        earlier = positions[:, None, :] <= positions[:, :, None]  # [B, A*bs, A*bs] key at or before query
+
+        def attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal):
+            own = blk_visible & (earlier | ~causal)
+            return masked_attention(q, k_ctx, v_ctx, ctx_visible & (distance < window), k_blk, v_blk, own)
+
         slots = (jnp.arange(a)[:, None] * bs + jnp.arange(1, bs)[None, :]).reshape(-1)
         out = _blocks(
             params,
@@ -816,8 +808,7 @@ def train_logits(
             blk.reshape(b, a * bs),
             positions,
             layer_kv,
-            ctx_visible,
-            blk_visible,
+            attend,
             jnp.broadcast_to(slots, (b, a * (bs - 1))),
         )
         return out.reshape(b, a, bs - 1, -1)
@@ -879,6 +870,7 @@ class DFlashDrafter:
 
     params: DrafterParams
     block_size: int = struct.field(pytree_node=False)
+    implementation: str = struct.field(pytree_node=False, default="xla")  # the block attention's (`draft`)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -907,4 +899,4 @@ class DFlashDrafter:
         mask_id = self.params.config.mask_token_id
         block = jnp.full((b, bs), mask_id, jnp.int32).at[:, 0].set(roots)
         positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)
-        return draft(self.params, state, target.embed, target.unembed, block, positions)
+        return draft(self.params, state, target.embed, target.unembed, block, positions, self.implementation)

@@ -7,6 +7,9 @@ split of 384. Trees of 16 / 32 / 64 / 128 nodes verify 17 / 33 / 65 / 129 tokens
 (the root included); an AR step verifies one. `kimi_k2_ep8_top1_tree32` routes each
 token to one local expert, as `experiments/k2_shard.py`'s shard model does.
 
+The DFlash drafter's block attention: 16 block queries over a context cache, the shipped
+drafter's heads and Kimi-K2.5-DFlash's.
+
 `shrink` scales a shape down for the CPU (interpret mode) while keeping its
 structure: the same token counts and head / expert counts, smaller widths.
 """
@@ -51,6 +54,28 @@ class MoEShape:
         return dataclasses.replace(self, hidden=self.hidden // 32, inter=self.inter // 32)
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterAttentionShape:
+    """One drafter layer's block attention: B rows, T block tokens, Nq / Nkv heads of width hd,
+    a context cache of S slots of which `length` are filled, a sliding window (None: full)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    cache: int
+    length: int
+    window: int | None
+    tokens: int = 16
+
+    def shrink(self) -> DrafterAttentionShape:
+        """The CPU version: cache and length / 64 (at least 64 and 48 slots), window / 4."""
+        window = None if self.window is None else max(self.window // 4, self.tokens)
+        return dataclasses.replace(
+            self, cache=max(self.cache // 64, 64), length=max(self.length // 64, 48), window=window
+        )
+
+
 MLA_SHAPES: dict[str, MLAShape] = {
     **{f"kimi_k2_tp8_{k}": MLAShape(1, t, 8, 32768) for k, t in TREE_TOKENS.items()},
     "kimi_k2_64heads_ar": MLAShape(1, 1, 64, 32768),
@@ -62,4 +87,13 @@ MOE_SHAPES: dict[str, MoEShape] = {
     # experiments/k2_shard.py's routing: one local expert a token (its 33-token verify crashed)
     "kimi_k2_ep8_top1_tree32": MoEShape(33, top_k=1),
     "kimi_k2_ep8_prefill8192": MoEShape(8192),
+}
+DRAFTER_ATTENTION_SHAPES: dict[str, DrafterAttentionShape] = {
+    # the shipped drafter (6 query heads, 1 KV head of 64, window 128) in the decode loop
+    "shipped_ctx512": DrafterAttentionShape(1, 6, 1, 64, 512, 384, 128),
+    "shipped_ctx32k": DrafterAttentionShape(1, 6, 1, 64, 32768, 32000, 128),
+    "shipped_ctx512_batch8": DrafterAttentionShape(8, 6, 1, 64, 512, 384, 128),
+    # z-lab/Kimi-K2.5-DFlash's shape (64 / 8 heads of 128, full attention), whole and one TP-8 shard
+    "kimi_k25_dflash_32k": DrafterAttentionShape(1, 64, 8, 128, 32768, 32000, None),
+    "kimi_k25_dflash_tp8_32k": DrafterAttentionShape(1, 8, 1, 128, 32768, 32000, None),
 }

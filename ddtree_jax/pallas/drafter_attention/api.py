@@ -1,0 +1,113 @@
+"""Dispatch for the drafter's block attention (see reference.py for the notation)."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import numpy as np
+
+from ddtree_jax import sharding
+from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas, takes
+from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
+
+AUTO_KERNEL = True
+"""Whether "auto" takes the kernel on a GPU (False: the XLA path, for before / after runs:
+`experiments/profile_round.py --set ddtree_jax.pallas.drafter_attention.api.AUTO_KERNEL=False`).
+Read when a program is traced."""
+
+AUTO_MAX_REACH = 1024
+""""auto" takes the kernel only where a query sees at most this many context slots (`reach`):
+its grid has one program per row and query head, each walking the reach alone. On an H100
+(session 35, docs/benchmarks.md) it took 4.7 us against XLA's 13.1 at the shipped drafter's
+window of 128 (a 512-slot cache), and 0.68-0.71 ms against XLA's 0.07-0.34 ms over a full
+32K-slot cache (Kimi-K2.5-DFlash's heads); reaches between were not measured."""
+
+AVAILABLE = ("auto", "xla", "pallas", "mosaic")
+""""mosaic" has no kernel of its own here: it takes the XLA path, as the generate-level
+choice "mosaic" means the Mosaic kernels where they exist."""
+
+
+def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, reach: int | None, on_gpu: bool, meshed: bool):
+    """Whether `drafter_attention` runs the kernel: "pallas" always; "auto" on a GPU, with no mesh
+    splitting the call, where `kernel.takes` the operands and the reach is <= `AUTO_MAX_REACH`."""
+    if implementation == "pallas":
+        return True
+    s = k_ctx.shape[1]
+    short = (s if reach is None else min(reach, s)) <= AUTO_MAX_REACH
+    return implementation == "auto" and AUTO_KERNEL and on_gpu and not meshed and short and takes(q, k_ctx)
+
+
+def drafter_attention(
+    q: jax.Array,  # [B, T, Nq, hd]
+    k_ctx: jax.Array,  # [B, S, Nkv, hd]
+    v_ctx: jax.Array,  # [B, S, Nkv, hd]
+    ctx_len: jax.Array,  # [B] int32
+    positions: jax.Array,  # [B, T] int32
+    k_blk: jax.Array,  # [B, T, Nkv, hd]
+    v_blk: jax.Array,  # [B, T, Nkv, hd]
+    *,
+    window: jax.Array | int,
+    causal: jax.Array | bool,
+    reach: int | None = None,
+    implementation: str = "auto",
+    tiles: DrafterAttentionTiles | None = None,
+) -> jax.Array:  # [B, T, Nq, hd] in q's dtype
+    """One drafter layer's block attention: block queries over the context cache and the block.
+
+    Args:
+      q: block queries (RoPE'd).
+      k_ctx, v_ctx: the layer's context cache; slot s holds position s.
+      ctx_len: context slots filled per row (slots >= ctx_len are not seen).
+      positions: the block tokens' positions.
+      k_blk, v_blk: the block's own keys and values.
+      window: context slots with position - slot < window are seen (2**31 - 1: all).
+      causal: whether block key u is seen only by queries at positions >= its own.
+      reach: the most context slots one query can see (static: min(window, S) where the window
+        is known when tracing; None: S); "auto" takes the kernel up to `AUTO_MAX_REACH`.
+      implementation: "xla" (reference.py), "pallas" (the Triton-lowered kernel; the CPU
+        interprets it; under a mesh, per shard of batch and heads), "auto" (the kernel on a GPU
+        where `kernel.takes` the shapes, the reach is short and no mesh splits the call, else
+        XLA; `uses_kernel`), or "mosaic" (no Mosaic kernel: XLA).
+      tiles: the kernel's `DrafterAttentionTiles` (None: the defaults).
+
+    Returns:
+      The attention output per query head.
+    """
+    check_implementation(implementation, AVAILABLE, "drafter_attention")
+    b, t, nq, hd = q.shape
+    s, nkv = k_ctx.shape[1], k_ctx.shape[2]
+    chex.assert_shape([k_ctx, v_ctx], (b, s, nkv, hd))
+    chex.assert_shape([k_blk, v_blk], (b, t, nkv, hd))
+    chex.assert_shape(ctx_len, (b,))
+    chex.assert_shape(positions, (b, t))
+    if nq % nkv:
+        raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
+    on_gpu = jax.default_backend() == "gpu"
+    mesh = sharding.context_mesh()
+    if not uses_kernel(implementation, q, k_ctx, reach, on_gpu, mesh is not None):
+        return drafter_attention_reference(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
+    if not takes(q, k_ctx):
+        raise ValueError(
+            f"drafter_attention: the pallas kernel needs a head dim that is a power of two >= 16 and a cache of "
+            f">= 16 slots, got head dim {hd} and {s} slots; use implementation='xla'"
+        )
+    fn = functools.partial(drafter_attention_pallas, tiles=tiles or DrafterAttentionTiles(), interpret=not on_gpu)
+    args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)
+    if mesh is None:
+        return fn(*args, window, causal)
+    heads = ("batch", None, "heads", None)  # q, and the keys / values of the context and the block
+    axes = (heads, heads, heads, ("batch",), ("batch", None), heads, heads)
+    specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
+    q_split = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(specs[0][2])], dtype=int))
+    kv_split = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(specs[1][2])], dtype=int))
+    if kv_split != q_split and not (kv_split == 1 and nkv == 1):
+        raise ValueError(
+            f"drafter_attention: the mesh splits the {nq} query heads {q_split} ways and the {nkv} key / value "
+            f"heads {kv_split} ways, so a shard's query heads would not find their own; use implementation='xla'"
+        )
+    local = lambda *a: fn(*a, window, causal)  # noqa: E731
+    # check_vma=False: pallas_call outputs carry no varying-axes annotation.
+    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)

@@ -1,0 +1,155 @@
+"""The drafter's block attention: the Triton-lowered kernel (interpret mode on the CPU) against
+the float32 reference, its dispatch, and the drafter and decode loop running it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.drafters import OracleDrafter, dflash
+from ddtree_jax.generate import generate
+from ddtree_jax.pallas.drafter_attention.api import drafter_attention
+from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas
+from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
+from tests.conftest import random_target, tiny
+
+FULL = 2**31 - 1
+
+
+def case(rng, b, t, nq, nkv, hd, s, lengths, starts, dtype=jnp.float32):
+    """Operands of one call: the block of row i at positions starts[i] .. starts[i] + t - 1."""
+
+    def f(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    positions = jnp.asarray(starts, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
+    return (
+        f(b, t, nq, hd),
+        f(b, s, nkv, hd),
+        f(b, s, nkv, hd),
+        jnp.asarray(lengths, jnp.int32),
+        positions,
+        f(b, t, nkv, hd),
+        f(b, t, nkv, hd),
+    )
+
+
+@pytest.mark.parametrize(
+    "b, t, nq, nkv, hd, s, lengths, starts, window, causal, block_k",
+    [
+        (1, 16, 6, 1, 64, 300, [200], [200], 128, False, 64),  # the shipped drafter, ragged last step
+        (1, 16, 6, 1, 64, 300, [300], [300], FULL, False, 64),  # a full layer over a full cache
+        (2, 5, 4, 2, 32, 100, [0, 77], [0, 77], FULL, True, 32),  # T padded to 16; an empty context
+        (3, 16, 8, 8, 16, 40, [40, 3, 17], [40, 3, 17], 20, False, 64),  # S < block_k: shrunk to 32
+        (2, 1, 2, 1, 16, 64, [10, 64], [10, 64], 4, True, 16),  # one block token
+        (2, 16, 4, 1, 16, 96, [50, 96], [60, 100], 16, True, 16),  # blocks past the context; window = T
+        (1, 16, 2, 2, 128, 17, [17], [17], FULL, False, 64),  # K2.5 head dim, S not a power of two
+    ],
+)
+def test_kernel_matches_reference(b, t, nq, nkv, hd, s, lengths, starts, window, causal, block_k):
+    args = case(np.random.default_rng(s + t), b, t, nq, nkv, hd, s, lengths, starts)
+    want = drafter_attention_reference(*args, window, causal)
+    got = drafter_attention_pallas(*args, window, causal, tiles=DrafterAttentionTiles(block_k=block_k), interpret=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_kernel_bf16_and_traced_window():
+    """bf16 operands within a few bf16 ulps of the float32 reference; window and causal traced."""
+    rng = np.random.default_rng(3)
+    args = case(rng, 2, 16, 6, 1, 64, 200, [150, 40], [150, 40], jnp.bfloat16)
+    want = drafter_attention_reference(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args], 64, 0)
+    fn = jax.jit(lambda w, c: drafter_attention_pallas(*args, w, c, interpret=True))
+    got = fn(jnp.int32(64), jnp.bool_(False))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_dispatch():
+    rng = np.random.default_rng(0)
+    args = case(rng, 1, 16, 4, 2, 24, 32, [20], [20])
+    ref = drafter_attention_reference(*args, 8, True)
+    for impl in ("xla", "mosaic", "auto"):  # auto on the CPU: the XLA path
+        np.testing.assert_array_equal(drafter_attention(*args, window=8, causal=True, implementation=impl), ref)
+    with pytest.raises(ValueError, match="head dim 24"):
+        drafter_attention(*args, window=8, causal=True, implementation="pallas")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        drafter_attention(*args, window=8, causal=True, implementation="triton")
+    with pytest.raises(ValueError, match="multiple of key / value heads"):
+        drafter_attention(*case(rng, 1, 4, 3, 2, 16, 32, [5], [5]), window=8, causal=True)
+    with pytest.raises(ValueError, match="block_k must be >= 16"):
+        DrafterAttentionTiles(block_k=8)
+
+
+def test_auto_rule():
+    """ "auto" takes the kernel on a GPU only for short reaches, tileable operands and no mesh."""
+    from ddtree_jax.pallas.drafter_attention.api import AUTO_MAX_REACH, uses_kernel
+
+    q, kc = jnp.zeros((1, 16, 6, 64)), jnp.zeros((1, 32768, 1, 64))
+    assert uses_kernel("auto", q, kc, 128, on_gpu=True, meshed=False)
+    assert not uses_kernel("auto", q, kc, None, on_gpu=True, meshed=False)  # the whole 32K cache
+    assert not uses_kernel("auto", q, kc, AUTO_MAX_REACH + 1, on_gpu=True, meshed=False)
+    assert uses_kernel("auto", q, kc[:, :AUTO_MAX_REACH], None, on_gpu=True, meshed=False)
+    assert not uses_kernel("auto", q, kc, 128, on_gpu=False, meshed=False)
+    assert not uses_kernel("auto", q, kc, 128, on_gpu=True, meshed=True)
+    assert not uses_kernel("auto", q[..., :24], kc[..., :24], 128, on_gpu=True, meshed=False)
+    assert not uses_kernel("xla", q, kc, 128, on_gpu=True, meshed=False)
+    assert uses_kernel("pallas", q, kc, None, on_gpu=False, meshed=True)
+
+
+def _drafter(target_cfg, window, causal, seed=0):
+    cfg = dflash.drafter_config_for(target_cfg, num_hidden_layers=2, block_size=4, head_dim=16)
+    cfg = dataclasses.replace(cfg.with_sliding_window(window), is_causal=causal)
+    return dflash.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
+
+
+@pytest.mark.parametrize("window, causal", [(6, False), (None, True)])
+def test_draft_with_the_kernel(window, causal):
+    """`dflash.draft` on the kernel gives the XLA path's logits (float32)."""
+    cfg = tiny()
+    target = random_target(cfg, seed=4)
+    params = _drafter(cfg, window, causal)
+    cache = dflash.DrafterCache.init(params.config, 2, 24)
+    rng = np.random.default_rng(5)
+    feats = jnp.asarray(rng.standard_normal((2, 20, params.config.n_taps * cfg.hidden_size)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(20, dtype=jnp.int32), (2, 20))
+    cache = dflash.extend_context(params, cache, feats, positions, positions < jnp.array([[17], [9]]))
+    block = jnp.asarray([[7, 3, 3, 3], [11, 3, 3, 3]], jnp.int32)
+    block_pos = cache.lengths[:, None] + jnp.arange(4, dtype=jnp.int32)
+    args = (params, cache, target.embed, target.unembed, block, block_pos)
+    want = dflash.draft(*args, implementation="xla")
+    np.testing.assert_allclose(dflash.draft(*args, implementation="pallas"), want, atol=2e-5, rtol=2e-5)
+
+
+def test_greedy_ddtree_equals_ar_with_the_kernel():
+    """generate(implementation="pallas"): the DFlash drafter on the kernel, the routed experts on
+    theirs; greedy DDTree gives AR's tokens, and the drafter's kernel the XLA path's proposals."""
+    cfg = tiny()
+    target = random_target(cfg, seed=2)
+    drafter = _drafter(cfg, 8, False, seed=1)
+    prompts = [[5, 17, 33, 2, 9, 40, 41], [9]]
+    kw = dict(max_new_tokens=8)
+    ar = generate(target, None, prompts, **kw).to_lists()
+    runs = {
+        impl: generate(target, drafter, prompts, method="ddtree", tree_budget=5, implementation=impl, **kw)
+        for impl in ("xla", "pallas")
+    }
+    for r in runs.values():
+        assert r.to_lists() == ar
+    np.testing.assert_array_equal(runs["pallas"].accept_lengths, runs["xla"].accept_lengths)
+    oracle = generate(target, OracleDrafter(block_size=3), prompts, method="ddtree", tree_budget=4, **kw)
+    assert oracle.to_lists() == ar
+
+
+def test_bench_smoke(capsys):
+    from ddtree_jax.pallas.drafter_attention import bench
+
+    bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_ctx512", "kimi_k25_dflash_tp8_32k"])
+    out = capsys.readouterr().out
+    for name in ("shipped_ctx512", "kimi_k25_dflash_tp8_32k"):
+        for impl in ("xla", "pallas"):
+            assert f"| {name} | {impl} |" in out
