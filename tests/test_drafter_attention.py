@@ -58,6 +58,37 @@ def test_kernel_matches_reference(b, t, nq, nkv, hd, s, lengths, starts, window,
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize(
+    "b, t, nq, nkv, hd, s, lengths, starts, window, causal",
+    [
+        (2, 16, 4, 2, 32, 300, [280, 0], [280, 0], FULL, False),  # a row with no context: splits > 0 empty
+        (3, 5, 2, 1, 16, 100, [100, 33, 7], [100, 40, 7], 50, True),  # ragged rows, a window, fewer steps than splits
+    ],
+)
+def test_split_kernel_matches_reference(b, t, nq, nkv, hd, s, lengths, starts, window, causal, splits):
+    """The context walk shared by `splits` programs a head, partials merged: the reference's output."""
+    args = case(np.random.default_rng(s + splits), b, t, nq, nkv, hd, s, lengths, starts)
+    want = drafter_attention_reference(*args, window, causal)
+    got = drafter_attention_pallas(
+        *args, window, causal, tiles=DrafterAttentionTiles(block_k=16), splits=splits, interpret=True
+    )
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="splits must be an int >= 1"):
+        drafter_attention_pallas(*args, window, causal, splits=0, interpret=True)
+
+
+def test_num_splits():
+    from ddtree_jax.pallas.drafter_attention.kernel import SPLIT_MIN_REACH, num_splits
+
+    assert num_splits(128, 1, 6) == 1 and num_splits(SPLIT_MIN_REACH, 1, 64) == 1
+    assert num_splits(32768, 1, 8) == 33  # Kimi-K2.5-DFlash's TP-8 shard: ~264 programs
+    assert num_splits(32768, 1, 64) == 5
+    assert num_splits(2048, 1, 8) == 4  # at least 512 slots a program
+    assert num_splits(32768, 8, 64) == 1
+
+
 def test_kernel_bf16_and_traced_window():
     """bf16 operands within a few bf16 ulps of the float32 reference; window and causal traced."""
     rng = np.random.default_rng(3)

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.pallas.drafter_attention import bench as drafter_bench
+from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas, num_splits
 from ddtree_jax.pallas.mla_attention import bench as mla_bench
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
@@ -21,7 +23,7 @@ from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
-from ddtree_jax.pallas.shapes import MLA_SHAPES, MOE_SHAPES
+from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, MLA_SHAPES, MOE_SHAPES
 from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -118,3 +120,34 @@ def test_mla_kernel_lowers_for_the_gpu(name, new_in_kernel, ragged):
 def test_moe_kernels_lower_for_the_gpu(name, impl):
     operands = jax.eval_shape(lambda: _moe_operands(MOE_SHAPES[name], impl))
     assert "mosaic_gpu" in _lowered_for_cuda(_moe_kernel(impl), *operands)
+
+
+# The Triton lowering reads the GPU's compute capability when it lowers: an abstract H100 gives it
+# one on the CPU. Lowering stops at the Triton IR; Triton compiles it on the GPU.
+_H100 = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"),
+)
+
+
+def _triton_lowered_for_cuda(fn, *abstract_args) -> str:
+    with jax.sharding.use_abstract_mesh(_H100):
+        return _lowered_for_cuda(fn, *abstract_args)
+
+
+@pytest.mark.parametrize("name", list(DRAFTER_ATTENTION_SHAPES))
+def test_drafter_attention_kernel_lowers_for_the_gpu(name):
+    """The drafter's attention kernel at full size, split as `num_splits` chooses, to Triton IR."""
+    shape = DRAFTER_ATTENTION_SHAPES[name]
+    args = jax.eval_shape(lambda: drafter_bench.inputs(shape, jax.random.PRNGKey(1)))
+    splits = num_splits(min(shape.window or shape.cache, shape.cache), shape.batch, shape.heads)
+    window = shape.window or 2**31 - 1
+    text = _triton_lowered_for_cuda(lambda *a: drafter_attention_pallas(*a, window, False, splits=splits), *args)
+    assert "xla.gpu.triton" in text and f"grid_z = {splits} : i32" in text
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_ep8_tree16", "kimi_k2_ep8_tree64_batch8"])
+def test_moe_triton_kernel_lowers_for_the_gpu(name):
+    operands = jax.eval_shape(lambda: _moe_operands(MOE_SHAPES[name], "pallas"))
+    assert _triton_lowered_for_cuda(moe_experts_pallas, *operands).count("xla.gpu.triton") == 2  # gate/up, down

@@ -111,6 +111,31 @@ PALLAS_SCRIPT = textwrap.dedent(
     assert got.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("data", None, "model", None)), 4)
     np.testing.assert_allclose(got, mla_attention(*q8, *kv8, mask8, scale=0.3), atol=1e-4, rtol=1e-4)
 
+    # The drafter's block attention kernel per shard of batch and heads: kv heads split with the
+    # query heads (8 / 4 over model=4), or one kv head kept whole; kv heads the mesh cannot split
+    # as the query heads are refused.
+    from ddtree_jax.pallas.drafter_attention.api import drafter_attention
+    from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
+    pos = jnp.asarray([[20], [9]], jnp.int32) + jnp.arange(16, dtype=jnp.int32)
+    for nkv in (4, 1):
+        da = (f(2, 16, 8, 16), f(2, 32, nkv, 16), f(2, 32, nkv, 16), jnp.asarray([20, 9], jnp.int32), pos,
+              f(2, 16, nkv, 16), f(2, 16, nkv, 16))
+        dfn = jax.jit(lambda *a: drafter_attention(*a, window=12, causal=True, implementation="pallas"))
+        with jax.set_mesh(mesh):
+            assert "shard_map" in str(jax.make_jaxpr(dfn)(*da))
+            got = dfn(*da)
+        np.testing.assert_allclose(got, drafter_attention_reference(*da, 12, True), atol=1e-5, rtol=1e-5)
+    da2 = (f(2, 16, 8, 16), f(2, 32, 2, 16), f(2, 32, 2, 16), jnp.asarray([20, 9], jnp.int32), pos,
+           f(2, 16, 2, 16), f(2, 16, 2, 16))
+    with jax.set_mesh(mesh):
+        try:
+            drafter_attention(*da2, window=12, causal=True, implementation="pallas")
+            raise AssertionError("a kv-head split unlike the query heads' was not refused")
+        except ValueError as e:
+            assert "would not find their own" in str(e), e
+        auto = drafter_attention(*da2, window=12, causal=True)  # auto under a mesh: the XLA path
+    np.testing.assert_allclose(auto, drafter_attention_reference(*da2, 12, True), atol=1e-5, rtol=1e-5)
+
     # The XLA path's routed experts run expert-parallel by hand too (GSPMD alone all-gathers
     # every expert): weight gather (T * K <= E), the dense pass and the grouped GEMM (dense
     # pass off), bf16 and INT4 weights.

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-
 import chex
 import jax
 import numpy as np
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
-from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas, takes
+from ddtree_jax.pallas.drafter_attention.kernel import (
+    DrafterAttentionTiles,
+    drafter_attention_pallas,
+    num_splits,
+    takes,
+)
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 
 AUTO_KERNEL = True
@@ -94,10 +97,16 @@ def drafter_attention(
             f"drafter_attention: the pallas kernel needs a head dim that is a power of two >= 16 and a cache of "
             f">= 16 slots, got head dim {hd} and {s} slots; use implementation='xla'"
         )
-    fn = functools.partial(drafter_attention_pallas, tiles=tiles or DrafterAttentionTiles(), interpret=not on_gpu)
+    span = s if reach is None else min(reach, s)
+
+    def fn(*a):  # the splits from the (per-shard) rows and heads
+        splits = num_splits(span, a[0].shape[0], a[0].shape[2])
+        kw = dict(tiles=tiles or DrafterAttentionTiles(), splits=splits, interpret=not on_gpu)
+        return drafter_attention_pallas(*a, window, causal, **kw)
+
     args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)
     if mesh is None:
-        return fn(*args, window, causal)
+        return fn(*args)
     heads = ("batch", None, "heads", None)  # q, and the keys / values of the context and the block
     axes = (heads, heads, heads, ("batch",), ("batch", None), heads, heads)
     specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
@@ -108,6 +117,5 @@ def drafter_attention(
             f"drafter_attention: the mesh splits the {nq} query heads {q_split} ways and the {nkv} key / value "
             f"heads {kv_split} ways, so a shard's query heads would not find their own; use implementation='xla'"
         )
-    local = lambda *a: fn(*a, window, causal)  # noqa: E731
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
-    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+    return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
-from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas
+from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas, num_splits
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DrafterAttentionShape
 
@@ -53,21 +53,33 @@ def main(argv=None):
     names = list(DRAFTER_ATTENTION_SHAPES)
     ap.add_argument("--shapes", nargs="+", default=names, choices=names)
     ap.add_argument("--impl", nargs="+", default=["xla", "pallas"], choices=["xla", "pallas"])
+    ap.add_argument(
+        "--splits", type=int, nargs="+", default=[0], help="kernel splits to try (0: `kernel.num_splits`' choice)"
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
+    print("| shape | impl (pallas: `num_splits`' choice) | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes:
         shape = DRAFTER_ATTENTION_SHAPES[name].shrink() if args.smoke else DRAFTER_ATTENTION_SHAPES[name]
         window = shape.window or FULL  # the shipped drafter is not causal within its block
+        reach = min(shape.window or shape.cache, shape.cache)
+        chosen = num_splits(reach, shape.batch, shape.heads)
         x = inputs(shape, jax.random.PRNGKey(0))
-        xla = jax.jit(lambda *a, w=window: drafter_attention_reference(*a, w, False))
-        pallas = jax.jit(lambda *a, w=window: drafter_attention_pallas(*a, w, False, interpret=args.smoke))
+        runs = {"xla": jax.jit(lambda *a, w=window: drafter_attention_reference(*a, w, False))}
+        for n in dict.fromkeys(n or chosen for n in args.splits):
+            label = "pallas" if n == chosen else f"pallas, {n} splits"
+            runs[label] = jax.jit(
+                lambda *a, w=window, n=n: drafter_attention_pallas(*a, w, False, splits=n, interpret=args.smoke)
+            )
+        xla = runs["xla"]
         expected = xla(*x)
         flops, nbytes = cost(shape)
-        for impl, fn in [(i, {"xla": xla, "pallas": pallas}[i]) for i in args.impl]:
+        for impl, fn in runs.items():
+            if impl.split(",")[0] not in args.impl:
+                continue
             sec, timer = device_time(fn, x, args.reps)
             err = float(jnp.max(jnp.abs(fn(*x).astype(jnp.float32) - expected.astype(jnp.float32))))
             pct = percent_of_peak(flops, nbytes, sec)

@@ -3,14 +3,16 @@
 Notation as in reference.py; Tp = T rounded up to a power of two >= 16 (the Triton
 lowering's smallest dot), BK the context keys per step.
 
-Grid (B, Nq): program (b, h) holds query head h's Tp block rows [Tp, hd] and reads
-kv head h // G. It first attends the block's own keys (every query sees its own token,
-so the running max is finite from the start), then walks the context slots
+Grid (B, Nq, J): program (b, h, j) holds query head h's Tp block rows [Tp, hd] and reads
+kv head h // G. Split j = 0 attends the block's own keys (every query sees its own token,
+so its running max is finite from the start); split j walks its share of the context slots
 [lo, hi) in BK steps with an online softmax in float32, where hi = ctx_len[b] and
 lo = max(0, min(positions[b]) - window + 1): the slots below lo are outside every
 query's window, so a sliding layer reads ~window + BK slots whatever the cache
 capacity (the XLA path reads all S). The last step's start is clamped to S - BK so
-that no load leaves the cache; slots it re-reads are masked out. Matmul operands stay
+that no load leaves the cache; slots it re-reads are masked out. With J = 1 (`num_splits`:
+short reaches) the program writes the output; with J > 1 (a full layer over a long cache)
+each writes its unnormalized sum, max and total weight, and XLA merges the J partials. Matmul operands stay
 in the input dtype (bf16 on the GPU) with float32 accumulation, the weights cast to
 the values' dtype for P V, as the reference does.
 
@@ -34,6 +36,13 @@ from ddtree_jax.pallas import check_compiler, check_tiles
 
 MASK_VALUE = -1e30
 """Finite, so that exp(MASK_VALUE - max) underflows to 0 instead of giving NaN."""
+
+SPLIT_MIN_REACH = 1024
+"""Reaches (context slots a query sees) up to this run one program per query head, unsplit."""
+SPLIT_MIN_SLOTS = 512
+"""Past `SPLIT_MIN_REACH`, a program walks at least this many slots."""
+SPLIT_PROGRAMS = 264
+"""Programs a split grid aims at: two per SM of an H100 / H200 (132)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +71,29 @@ def takes(q: jax.Array, k_ctx: jax.Array) -> bool:
     return hd >= 16 and hd & (hd - 1) == 0 and k_ctx.shape[1] >= 16
 
 
-def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, *, tokens, block_k, scale):
+def num_splits(reach: int, batch: int, heads: int, programs: int = SPLIT_PROGRAMS) -> int:
+    """How many programs share one query head's walk over `reach` context slots: 1 up to
+    `SPLIT_MIN_REACH`, else enough that the grid has about `programs` programs, each walking
+    at least `SPLIT_MIN_SLOTS` slots."""
+    if reach <= SPLIT_MIN_REACH:
+        return 1
+    return max(1, min(pl.cdiv(reach, SPLIT_MIN_SLOTS), pl.cdiv(programs, batch * heads)))
+
+
+def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs, tokens, block_k, scale, splits):
     f32 = jnp.float32
+    split = pl.program_id(2)
     lo, hi, window, causal = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     tp = q_ref.shape[0]
     s_cap = kc_ref.shape[0]
     q = q_ref[...]  # [Tp, hd]
     pos = pos_ref[...]  # [Tp]
 
-    # The block's own keys: real tokens only, and in a causal layer those not after the query.
+    # The block's own keys (in split 0 only): real tokens, and in a causal layer those not after
+    # the query. Split 0's running max is then finite from the start; other splits' rows start
+    # all masked (max MASK_VALUE, sum 0) and may stay so.
     u = jax.lax.broadcasted_iota(jnp.int32, (tp, tp), 1)
-    own = (u < tokens) & ((causal == 0) | (pos[None, :] <= pos[:, None]))
+    own = (u < tokens) & ((causal == 0) | (pos[None, :] <= pos[:, None])) & (split == 0)
     s = jnp.dot(q, kb_ref[...].T, preferred_element_type=f32) * scale  # [Tp, Tp]
     s = jnp.where(own, s, MASK_VALUE)
     m = jnp.max(s, axis=1)
@@ -80,12 +101,17 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, *, 
     l_sum = jnp.sum(p, axis=1)
     acc = jnp.dot(p.astype(vb_ref.dtype), vb_ref[...], preferred_element_type=f32)  # [Tp, hd]
 
+    # This split's share of the context slots [lo, hi), in whole steps.
+    chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - lo, 0), splits), block_k) * block_k
+    first = lo + split * chunk
+    last = jnp.minimum(first + chunk, hi)
+
     def step(i, carry):
         m, l_sum, acc = carry
-        nominal = lo + i * block_k
+        nominal = first + i * block_k
         start = jnp.minimum(nominal, s_cap - block_k)
         slot = start + jax.lax.broadcasted_iota(jnp.int32, (tp, block_k), 1)
-        seen = (slot >= nominal) & (slot < hi) & (pos[:, None] - slot < window)
+        seen = (slot >= nominal) & (slot < last) & (pos[:, None] - slot < window)
         s = jnp.dot(q, kc_ref[pl.ds(start, block_k), :].T, preferred_element_type=f32) * scale
         s = jnp.where(seen, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -94,12 +120,19 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, *, 
         pv = jnp.dot(p.astype(vc_ref.dtype), vc_ref[pl.ds(start, block_k), :], preferred_element_type=f32)
         return m_new, l_sum * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-    steps = jnp.maximum(hi - lo + block_k - 1, 0) // block_k
+    steps = pl.cdiv(jnp.maximum(last - first, 0), block_k)
     m, l_sum, acc = jax.lax.fori_loop(0, steps, step, (m, l_sum, acc))
-    o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype)
+    if splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype)
+    else:  # unnormalized partials, merged in XLA
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l_sum
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiles", "splits", "interpret"))
 def drafter_attention_pallas(
     q: jax.Array,  # [B, T, Nq, hd]
     k_ctx: jax.Array,  # [B, S, Nkv, hd]
@@ -112,9 +145,11 @@ def drafter_attention_pallas(
     causal: jax.Array | bool,
     *,
     tiles: DrafterAttentionTiles = DrafterAttentionTiles(),
+    splits: int = 1,
     interpret: bool = False,
 ) -> jax.Array:  # [B, T, Nq, hd]
-    """Same contract as `drafter_attention_reference` (tiles: `DrafterAttentionTiles`)."""
+    """Same contract as `drafter_attention_reference` (tiles: `DrafterAttentionTiles`; splits:
+    programs per query head, each walking a share of the context slots, `num_splits`)."""
     b, t, nq, hd = q.shape
     s_cap, nkv = k_ctx.shape[1], k_ctx.shape[2]
     group = nq // nkv
@@ -130,24 +165,44 @@ def drafter_attention_pallas(
     meta = jnp.stack(
         [lo, hi, jnp.broadcast_to(window, (b,)), jnp.broadcast_to(jnp.asarray(causal, jnp.int32), (b,))], axis=1
     ).astype(jnp.int32)  # [B, 4]
-    rows = pl.BlockSpec((None, tp, None, hd), lambda i, h: (i, 0, h, 0))
-    kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h: (i, 0, h // group, 0))
-    kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h: (i, 0, h // group, 0))
+    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
+    rows = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h, 0))
+    kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h // group, 0))
+    kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h, j: (i, 0, h // group, 0))
+    if splits == 1:
+        out_specs = rows
+        out_shape = jax.ShapeDtypeStruct((b, tp, nq, hd), q.dtype)
+    else:
+        stat = pl.BlockSpec((None, None, None, tp), lambda i, h, j: (i, j, h, 0))
+        out_specs = [pl.BlockSpec((None, None, tp, None, hd), lambda i, h, j: (i, j, 0, h, 0)), stat, stat]
+        f32 = jnp.float32
+        out_shape = [
+            jax.ShapeDtypeStruct((b, splits, tp, nq, hd), f32),
+            jax.ShapeDtypeStruct((b, splits, nq, tp), f32),
+            jax.ShapeDtypeStruct((b, splits, nq, tp), f32),
+        ]
     out = pl.pallas_call(
-        functools.partial(_kernel, tokens=t, block_k=bk, scale=hd**-0.5),
-        grid=(b, nq),
+        functools.partial(_kernel, tokens=t, block_k=bk, scale=hd**-0.5, splits=splits),
+        grid=(b, nq, splits),
         in_specs=[
-            pl.BlockSpec((None, 4), lambda i, h: (i, 0)),
-            pl.BlockSpec((None, tp), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, 4), lambda i, h, j: (i, 0)),
+            pl.BlockSpec((None, tp), lambda i, h, j: (i, 0)),
             rows,
             kv_ctx,
             kv_ctx,
             kv_blk,
             kv_blk,
         ],
-        out_specs=rows,
-        out_shape=jax.ShapeDtypeStruct((b, tp, nq, hd), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
     )(meta, positions.astype(jnp.int32), q, k_ctx, v_ctx, k_blk, v_blk)
+    if splits > 1:
+        acc, m, l_sum = out  # [B, J, Tp, Nq, hd], [B, J, Nq, Tp] x 2
+        w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))  # split 0 holds the block: a finite max
+        num = jnp.sum(acc * jnp.swapaxes(w, 2, 3)[..., None], axis=1)
+        den = jnp.sum(w * l_sum, axis=1)  # [B, Nq, Tp]
+        out = (num / jnp.swapaxes(den, 1, 2)[..., None]).astype(q.dtype)
     return out[:, :t]
