@@ -15,6 +15,7 @@ import pytest
 
 from ddtree_jax.pallas.drafter_attention import bench as drafter_bench
 from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas, num_splits
+from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 from ddtree_jax.pallas.mla_attention import bench as mla_bench
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
@@ -28,7 +29,7 @@ from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret mode runs the kernel body in Python: the CPU takes a sample.
-CPU_SAMPLE = {"kimi_k2_tp8_tree16", "kimi_k2_ep8_tree16"}
+CPU_SAMPLE = {"kimi_k2_tp8_tree16", "kimi_k2_ep8_tree16", "shipped_ctx512_batch8"}
 
 
 def _shape(table, name):
@@ -91,6 +92,24 @@ def test_moe_kernel_on_named_shapes(name, impl):
     want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if int4 else moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 8])
+@pytest.mark.parametrize("name", list(DRAFTER_ATTENTION_SHAPES))
+def test_drafter_attention_kernel_on_named_shapes(name, splits):
+    """The drafter's attention kernel, as `num_splits` chooses (0) and split 8 ways, against the
+    float32 reference on the same bf16 operands."""
+    shape = _shape(DRAFTER_ATTENTION_SHAPES, name)
+    args = drafter_bench.inputs(shape, jax.random.PRNGKey(1))
+    window = shape.window or 2**31 - 1
+    n = splits or num_splits(min(shape.window or shape.cache, shape.cache), shape.batch, shape.heads)
+    fn = jax.jit(lambda *a: drafter_attention_pallas(*a, window, False, splits=n, interpret=not ON_GPU))
+    got = fn(*args).astype(jnp.float32)
+    want = drafter_attention_reference(*_f32(args), window, False)
+    assert got.shape == want.shape == (shape.batch, shape.tokens, shape.heads, shape.head_dim)
+    err = float(jnp.max(jnp.abs(got - want)))
+    assert err < 2e-2 * float(jnp.max(jnp.abs(want))), err
 
 
 # Lowered for CUDA on the CPU (no GPU needed): Mosaic GPU's layout inference, relayouts and
