@@ -108,6 +108,10 @@ def test_dispatch():
         np.testing.assert_array_equal(drafter_attention(*args, window=8, causal=True, implementation=impl), ref)
     with pytest.raises(ValueError, match="head dim 24"):
         drafter_attention(*args, window=8, causal=True, implementation="pallas")
+    with pytest.raises(ValueError, match="head dim 24"):
+        drafter_attention_pallas(*args, 8, True, interpret=True)
+    with pytest.raises(ValueError, match="got 8"):  # a cache of 8 slots
+        drafter_attention_pallas(*case(rng, 1, 4, 2, 1, 16, 8, [5], [5]), 8, True, interpret=True)
     with pytest.raises(ValueError, match="implementation must be one of"):
         drafter_attention(*args, window=8, causal=True, implementation="triton")
     with pytest.raises(ValueError, match="multiple of key / value heads"):

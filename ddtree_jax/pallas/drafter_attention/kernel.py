@@ -11,15 +11,16 @@ lo = max(0, min(positions[b]) - window + 1): the slots below lo are outside ever
 query's window, so a sliding layer reads ~window + BK slots whatever the cache
 capacity (the XLA path reads all S). The last step's start is clamped to S - BK so
 that no load leaves the cache; slots it re-reads are masked out. With J = 1 (`num_splits`:
-short reaches) the program writes the output; with J > 1 (a full layer over a long cache)
-each writes its unnormalized sum, max and total weight, and XLA merges the J partials. Matmul operands stay
-in the input dtype (bf16 on the GPU) with float32 accumulation, the weights cast to
-the values' dtype for P V, as the reference does.
+short reaches) the program writes the output; with J > 1 (a full layer over a long
+cache) each writes its unnormalized sum, max and total weight, and XLA merges the J
+partials. Matmul operands stay in the input dtype (bf16 on the GPU) with float32
+accumulation, the weights cast to the values' dtype for P V, as the reference does.
 
-Checked against the reference in interpret mode on the CPU
-(tests/test_drafter_attention.py) and on the GPU by `experiments/profile_round.py`'s
-drafter stage; the drafter only proposes tokens, so its rounding never changes what the
-target accepts.
+Checked against the reference in interpret mode on the CPU (tests/test_drafter_attention.py,
+tests/test_kernel_shapes.py, which also lowers it to Triton IR for CUDA at full size) and
+compiled on the GPU (`pytest -m gpu`, the bench, `experiments/profile_round.py`'s draft
+stage). The drafter only proposes tokens, so its rounding never changes what the target
+accepts.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def drafter_attention_pallas(
     programs per query head, each walking a share of the context slots, `num_splits`)."""
     b, t, nq, hd = q.shape
     s_cap, nkv = k_ctx.shape[1], k_ctx.shape[2]
+    if not takes(q, k_ctx):
+        raise ValueError(f"head dim {hd} must be a power of two >= 16 and the cache >= 16 slots, got {s_cap}")
     group = nq // nkv
     tp = max(16, pl.next_power_of_2(t))
     bk = min(tiles.block_k, 1 << (s_cap.bit_length() - 1))  # a power of two <= S
