@@ -170,3 +170,16 @@ def test_drafter_attention_kernel_lowers_for_the_gpu(name):
 def test_moe_triton_kernel_lowers_for_the_gpu(name):
     operands = jax.eval_shape(lambda: _moe_operands(MOE_SHAPES[name], "pallas"))
     assert _triton_lowered_for_cuda(moe_experts_pallas, *operands).count("xla.gpu.triton") == 2  # gate/up, down
+
+
+def test_mla_merge_kernel_lowers_for_the_gpu():
+    """The partials' merge at a batch-1 AR step of 64 heads over 32K (128 splits), with the new
+    token's partial shared by the heads, to Triton IR."""
+    from ddtree_jax.pallas.mla_attention.merge import merge_partials
+
+    f32 = jnp.float32
+    o = jax.ShapeDtypeStruct((1, 128, 64, 512), jnp.bfloat16)
+    lse, new_o, new_lse = (jax.ShapeDtypeStruct(s, f32) for s in ((1, 128, 64), (1, 1, 512), (1, 64)))
+    fn = functools.partial(merge_partials, rows=64, shared=64)
+    text = _triton_lowered_for_cuda(lambda o, lse, no, nl: fn(o, lse, (no, nl)), o, lse, new_o, new_lse)
+    assert "xla.gpu.triton" in text and "grid_y = 64 : i32" in text

@@ -279,3 +279,56 @@ def test_auto_takes_the_xla_path_off_hopper_and_for_float32():
         numerics.resolve("exact", jnp.float32, "mosaic")
     with pytest.raises(ValueError, match="implementation must be one of"):
         mla_attention(*args, scale=0.5, implementation="cuda")
+
+
+# ---- the partials' merge as one Triton-lowered kernel (merge.MERGE_KERNEL) ------------------
+
+
+@pytest.mark.parametrize("with_new", ["none", "rows", "shared"])
+def test_merge_kernel_matches_the_xla_merge(with_new):
+    """merge_partials against mosaic._merge: empty partials (-inf), an all-empty row, the new
+    tokens' partial per row or one shared by a token's heads (AR)."""
+    from ddtree_jax.pallas.mla_attention.merge import merge_partials
+    from ddtree_jax.pallas.mla_attention.mosaic import _merge
+
+    rng = np.random.default_rng(7)
+    b, k, qp, t, n, r = 2, 8, 16, 3, 4, 256
+    q = t * n
+    o = jnp.asarray(rng.normal(size=(b, k, qp, r)), jnp.bfloat16)
+    lse = jnp.asarray(rng.normal(size=(b, k, qp)) * 3, jnp.float32).at[0, 3].set(-jnp.inf).at[1, :, 2].set(-jnp.inf)
+    new, want_new, shared = None, None, 1
+    if with_new != "none":
+        new_lse = jnp.asarray(rng.normal(size=(b, q)), jnp.float32)
+        rows = 1 if with_new == "shared" else q
+        new_o = jnp.asarray(rng.normal(size=(b, rows, r)), jnp.float32)
+        shared = q if with_new == "shared" else 1
+        new = (new_o, new_lse)
+        want_new = (jnp.broadcast_to(new_o, (b, q, r)).reshape(b, t, n, r), new_lse.reshape(b, t, n))
+    want = _merge(o[:, :, :q].reshape(b, k, t, n, r), lse[:, :, :q].reshape(b, k, t, n), want_new)
+    got = merge_partials(o, lse, new, rows=q, shared=shared, interpret=True).reshape(b, t, n, r)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="K=3"):
+        merge_partials(o[:, :3], lse[:, :3], rows=q, interpret=True)
+
+
+@pytest.mark.parametrize(("t", "new_in_kernel"), [(1, 0), (3, 0), (3, 64)])
+def test_mosaic_with_the_merge_kernel(monkeypatch, t, new_in_kernel):
+    """The Mosaic kernel's partials merged by the Triton kernel: the reference's output, with XLA's
+    new-token partial (AR: shared by the heads; a tree: per row) or the kernel's own."""
+    from ddtree_jax.pallas.mla_attention import merge
+
+    monkeypatch.setattr(merge, "MERGE_KERNEL", True)
+    calls = []
+    kernel = merge.merge_partials
+    monkeypatch.setattr(merge, "merge_partials", lambda o, *a, **kw: calls.append(o.shape) or kernel(o, *a, **kw))
+    rng = np.random.default_rng(21 + t)
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(2, 0))
+    args = case(rng, 2, t, 3, 128, 64, 256, [200, 0], mask)
+    splits = 3 if new_in_kernel else 4  # 4 partials with the new tokens' split
+    got = _mosaic(*args, scale=0.05, num_splits=splits, new_in_kernel=new_in_kernel)
+    np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
+    assert [c[1] for c in calls] == [4], calls
+    calls.clear()  # 5 partials: the XLA merge
+    got = _mosaic(*args, scale=0.05, num_splits=splits + 1, new_in_kernel=new_in_kernel)
+    np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
+    assert calls == []

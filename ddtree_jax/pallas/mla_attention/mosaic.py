@@ -19,7 +19,8 @@ The cache part runs in one `plgpu.kernel` on a grid (B, Q / BQ, NS) of three war
 Each program writes its normalized partial output (in the cache's dtype, through the
 query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
 The new tokens (T keys under the tree or causal mask) form one more partial, combined
-with the cache's by log-sum-exp (`_merge`). Where T <= `MosaicMLATiles.new_in_kernel`
+with the cache's by log-sum-exp (`_merge` in XLA, or `merge.merge_partials`, one Triton-lowered
+launch, with `merge.MERGE_KERNEL`). Where T <= `MosaicMLATiles.new_in_kernel`
 it comes from the kernel itself: one more split per query tile streams the new keys
 (padded to Tp, a multiple of BK) through the same ring, masked by bits (row r's word w,
 bit j: key 32 w + j visible; one int32 word per 32 keys, loaded beside each tile), so
@@ -47,6 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_jax.pallas.mla_attention import merge
 from ddtree_jax.pallas.mla_attention.reference import MASK_VALUE
 
 BLOCK_Q = 64
@@ -482,10 +484,20 @@ def mla_attention_mosaic(
     o, lse = _partials(
         rows(q_lat), rows(q_pe), cache_ckv, cache_kpe, lens, new, scale=scale, tiles=tiles, interpret=interpret
     )
+    # The new tokens see the queries as the kernel does: rounded to the cache dtype.
+    new_part = None
+    if new is None:
+        new_part = _new_partial(q_lat.astype(dtype), q_pe.astype(dtype), new_ckv, new_kpe, new_mask, scale)
+    if merge.MERGE_KERNEL and merge.takes(o):
+        shared = 1
+        if new_part is not None:
+            if t == 1:  # the one key's output is its c_kv for every head (`_new_partial`)
+                new_part, shared = (new_ckv.astype(jnp.float32), new_part[1].reshape(b, q)), n
+            else:
+                new_part = (new_part[0].reshape(b, q, r), new_part[1].reshape(b, q))
+        out = merge.merge_partials(o, lse, new_part, rows=q, shared=shared, interpret=interpret is not None)
+        return out.reshape(b, t, n, r)
     splits = o.shape[1]
     o = o[:, :, :q].reshape(b, splits, t, n, r)
     lse = lse[:, :, :q].reshape(b, splits, t, n)
-    if new is not None:
-        return _merge(o, lse)
-    # The new tokens see the queries as the kernel does: rounded to the cache dtype.
-    return _merge(o, lse, _new_partial(q_lat.astype(dtype), q_pe.astype(dtype), new_ckv, new_kpe, new_mask, scale))
+    return _merge(o, lse, new_part)
