@@ -22,12 +22,12 @@ AUTO_KERNEL = True
 Read when a program is traced."""
 
 AUTO_MAX_REACH = 1024
-""""auto" takes the kernel only where a query sees at most this many context slots (`reach`):
-its grid has one program per row and query head, each walking the reach alone. On an H100
-(session 35, docs/benchmarks.md) it took 4.7 us against XLA's 13.1 at the shipped drafter's
-window of 128 (a 512-slot cache), and 0.68-0.71 ms against XLA's 0.07-0.34 ms over a full
-32K-slot cache (Kimi-K2.5-DFlash's heads), unsplit; reaches between were not measured, nor
-the split walk (`kernel.num_splits`) that longer reaches now take."""
+""""auto" takes the kernel only where a query sees at most this many context slots (`reach`),
+where `kernel.num_splits` gives one program per row and query head. So measured on an H100
+(session 35, docs/benchmarks.md): 4.7 us against XLA's 13.1 at the shipped drafter's window of
+128 (a 512-slot cache); unsplit over a full 32K-slot cache (Kimi-K2.5-DFlash's heads) it took
+0.68-0.71 ms against XLA's 0.07-0.34. The split walk that longer reaches now take is not yet
+timed, so "auto" leaves them to XLA."""
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 """"mosaic" has no kernel of its own here: it takes the XLA path, as the generate-level
