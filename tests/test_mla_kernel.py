@@ -286,10 +286,10 @@ def test_auto_takes_the_xla_path_off_hopper_and_for_float32():
 
 @pytest.mark.parametrize("with_new", ["none", "rows", "shared"])
 def test_merge_kernel_matches_the_xla_merge(with_new):
-    """merge_partials against mosaic._merge: empty partials (-inf), an all-empty row, the new
+    """merge_partials against partials.merge (the XLA merge): empty partials (-inf), an all-empty row, the new
     tokens' partial per row or one shared by a token's heads (AR)."""
     from ddtree_jax.pallas.mla_attention.merge import merge_partials
-    from ddtree_jax.pallas.mla_attention.mosaic import _merge
+    from ddtree_jax.pallas.partials import merge as xla_merge
 
     rng = np.random.default_rng(7)
     b, k, qp, t, n, r = 2, 8, 16, 3, 4, 256
@@ -304,7 +304,7 @@ def test_merge_kernel_matches_the_xla_merge(with_new):
         shared = q if with_new == "shared" else 1
         new = (new_o, new_lse)
         want_new = (jnp.broadcast_to(new_o, (b, q, r)).reshape(b, t, n, r), new_lse.reshape(b, t, n))
-    want = _merge(o[:, :, :q].reshape(b, k, t, n, r), lse[:, :, :q].reshape(b, k, t, n), want_new)
+    want = xla_merge(o[:, :, :q].reshape(b, k, t, n, r), lse[:, :, :q].reshape(b, k, t, n), want_new)
     got = merge_partials(o, lse, new, rows=q, shared=shared, interpret=True).reshape(b, t, n, r)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="K=3"):

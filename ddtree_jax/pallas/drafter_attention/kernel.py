@@ -12,8 +12,8 @@ query's window, so a sliding layer reads ~window + BK slots whatever the cache
 capacity (the XLA path reads all S). The last step's start is clamped to S - BK so
 that no load leaves the cache; slots it re-reads are masked out. With J = 1 (`num_splits`:
 short reaches) the program writes the output; with J > 1 (a full layer over a long
-cache) each writes its unnormalized sum, max and total weight, and XLA merges the J
-partials. Matmul operands stay in the input dtype (bf16 on the GPU) with float32
+cache) each writes its normalized partial and log-sum-exp, and XLA merges the J partials
+(`partials.merge`, as the MLA kernel's). Matmul operands stay in the input dtype (bf16 on the GPU) with float32
 accumulation, the weights cast to the values' dtype for P V, as the reference does.
 
 Checked against the reference in interpret mode on the CPU (tests/test_drafter_attention.py,
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.pallas import check_compiler, check_tiles
+from ddtree_jax.pallas import check_compiler, check_tiles, partials
 
 MASK_VALUE = -1e30
 """Finite, so that exp(MASK_VALUE - max) underflows to 0 instead of giving NaN."""
@@ -126,11 +126,11 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
     if splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype)
-    else:  # unnormalized partials, merged in XLA
-        acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l_sum
+    else:  # a normalized partial and its log-sum-exp (-inf where the split saw no key), merged in XLA
+        o_ref, lse_ref = out_refs
+        seen_any = l_sum > 0
+        o_ref[...] = acc / jnp.where(seen_any, l_sum, 1.0)[:, None]
+        lse_ref[...] = jnp.where(seen_any, m + jnp.log(jnp.where(seen_any, l_sum, 1.0)), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "splits", "interpret"))
@@ -155,6 +155,8 @@ def drafter_attention_pallas(
     s_cap, nkv = k_ctx.shape[1], k_ctx.shape[2]
     if not takes(q, k_ctx):
         raise ValueError(f"head dim {hd} must be a power of two >= 16 and the cache >= 16 slots, got {s_cap}")
+    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
+        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     group = nq // nkv
     tp = max(16, pl.next_power_of_2(t))
     bk = min(tiles.block_k, 1 << (s_cap.bit_length() - 1))  # a power of two <= S
@@ -168,8 +170,6 @@ def drafter_attention_pallas(
     meta = jnp.stack(
         [lo, hi, jnp.broadcast_to(window, (b,)), jnp.broadcast_to(jnp.asarray(causal, jnp.int32), (b,))], axis=1
     ).astype(jnp.int32)  # [B, 4]
-    if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
-        raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     rows = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h, 0))
     kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h // group, 0))
     kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h, j: (i, 0, h // group, 0))
@@ -177,13 +177,13 @@ def drafter_attention_pallas(
         out_specs = rows
         out_shape = jax.ShapeDtypeStruct((b, tp, nq, hd), q.dtype)
     else:
-        stat = pl.BlockSpec((None, None, None, tp), lambda i, h, j: (i, j, h, 0))
-        out_specs = [pl.BlockSpec((None, None, tp, None, hd), lambda i, h, j: (i, j, 0, h, 0)), stat, stat]
-        f32 = jnp.float32
+        out_specs = [
+            pl.BlockSpec((None, None, tp, None, hd), lambda i, h, j: (i, j, 0, h, 0)),
+            pl.BlockSpec((None, None, tp, None), lambda i, h, j: (i, j, 0, h)),
+        ]
         out_shape = [
-            jax.ShapeDtypeStruct((b, splits, tp, nq, hd), f32),
-            jax.ShapeDtypeStruct((b, splits, nq, tp), f32),
-            jax.ShapeDtypeStruct((b, splits, nq, tp), f32),
+            jax.ShapeDtypeStruct((b, splits, tp, nq, hd), jnp.float32),
+            jax.ShapeDtypeStruct((b, splits, tp, nq), jnp.float32),
         ]
     out = pl.pallas_call(
         functools.partial(_kernel, tokens=t, block_k=bk, scale=hd**-0.5, splits=splits),
@@ -203,9 +203,5 @@ def drafter_attention_pallas(
         interpret=interpret,
     )(meta, positions.astype(jnp.int32), q, k_ctx, v_ctx, k_blk, v_blk)
     if splits > 1:
-        acc, m, l_sum = out  # [B, J, Tp, Nq, hd], [B, J, Nq, Tp] x 2
-        w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))  # split 0 holds the block: a finite max
-        num = jnp.sum(acc * jnp.swapaxes(w, 2, 3)[..., None], axis=1)
-        den = jnp.sum(w * l_sum, axis=1)  # [B, Nq, Tp]
-        out = (num / jnp.swapaxes(den, 1, 2)[..., None]).astype(q.dtype)
+        out = partials.merge(*out).astype(q.dtype)  # [B, J, Tp, Nq, hd], [B, J, Tp, Nq] -> [B, Tp, Nq, hd]
     return out[:, :t]

@@ -3,7 +3,7 @@
 Notation as in mosaic.py: K partials (the cache splits, and the new tokens' split when the
 Mosaic kernel attends them), Q query rows, R latent width, BR columns per program.
 
-The XLA merge (`mosaic._merge`) is a few launches beside the attention kernel (on an H100 at
+The XLA merge (`partials.merge`) is a few launches beside the attention kernel (on an H100 at
 64 heads, 32K, AR: five, 11.8 us of the call's 33.5; docs/benchmarks.md, session 35). Here
 program (b, q, j) loads the K partials' [K, BR] tile of row q at once, with their K
 log-sum-exps, and writes the row's merged, normalized BR columns; the new tokens' partial of
@@ -68,7 +68,7 @@ def merge_partials(
     shared: int = 1,
     interpret: bool = False,
 ) -> jax.Array:  # [B, Q, R] float32
-    """The first `rows` (Q) query rows' partials merged by log-sum-exp, as `mosaic._merge`.
+    """The first `rows` (Q) query rows' partials merged by log-sum-exp, as `partials.merge`.
 
     `new`'s output rows may be shared by `shared` consecutive query rows: at AR the new
     token's partial output is its latent c_kv for every head (one key: weight 1), so it is

@@ -19,7 +19,7 @@ The cache part runs in one `plgpu.kernel` on a grid (B, Q / BQ, NS) of three war
 Each program writes its normalized partial output (in the cache's dtype, through the
 query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
 The new tokens (T keys under the tree or causal mask) form one more partial, combined
-with the cache's by log-sum-exp (`_merge` in XLA, or `merge.merge_partials`, one Triton-lowered
+with the cache's by log-sum-exp (`partials.merge` in XLA, or `merge.merge_partials`, one Triton-lowered
 launch, with `merge.MERGE_KERNEL`). Where T <= `MosaicMLATiles.new_in_kernel`
 it comes from the kernel itself: one more split per query tile streams the new keys
 (padded to Tp, a multiple of BK) through the same ring, masked by bits (row r's word w,
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ddtree_jax.pallas import partials
 from ddtree_jax.pallas.mla_attention import merge
 from ddtree_jax.pallas.mla_attention.reference import MASK_VALUE
 
@@ -406,30 +407,6 @@ def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
     return o, lse
 
 
-def _merge(o, lse, new=None):
-    """The partials (o [B, K, T, N, R], lse [B, K, T, N]) and `new`, the new tokens' from XLA
-    (None, or ([B, T, N, R], [B, T, N])), by log-sum-exp -> [B, T, N, R] float32.
-
-    Empty partials (lse = -inf) weigh 0. XLA's new partial never is empty (masked scores are
-    MASK_VALUE, finite); a row that sees no key at all, cache nor new (a mask row of False over
-    an empty cache, which the model never makes), comes out 0 from the kernel's."""
-    top = jnp.max(lse, axis=1)
-    if new is not None:
-        top = jnp.maximum(top, new[1])
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - top[:, None])
-    # One reduction gives the weighted sum and the total weight (o with a column of ones), so the
-    # weights have one consumer and XLA fuses their exp into it: one launch, not three. An
-    # elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
-    ones = jnp.ones((*o.shape[:-1], 1), jnp.float32)
-    acc = jnp.sum(w[..., None] * jnp.concatenate([o.astype(jnp.float32), ones], axis=-1), axis=1)
-    out, total = acc[..., :-1], acc[..., -1]
-    if new is not None:
-        w_new = jnp.exp(new[1] - top)
-        out, total = out + w_new[..., None] * new[0], total + w_new
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def mla_attention_mosaic(
     q_lat,  # [B, T, N, R]
@@ -500,4 +477,4 @@ def mla_attention_mosaic(
     splits = o.shape[1]
     o = o[:, :, :q].reshape(b, splits, t, n, r)
     lse = lse[:, :, :q].reshape(b, splits, t, n)
-    return _merge(o, lse, new_part)
+    return partials.merge(o, lse, new_part)
