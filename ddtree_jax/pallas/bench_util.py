@@ -151,3 +151,16 @@ def kernel_table(fn, calls: int, top: int, per: float = 1.0, gpu: str | None = N
 def percent_of_peak(flops: float, nbytes: float, seconds: float) -> float:
     """The larger of the compute and the bandwidth fraction: whichever bound the shape is closer to."""
     return 100 * max(flops / seconds / PEAK_FLOPS, nbytes / seconds / PEAK_BYTES)
+
+
+def table_row(
+    name: str, impl: str, seconds: float, timer: str, flops: float, nbytes: float, err: float, *, digits=(3, 1)
+) -> str:
+    """A kernel bench's markdown row: ms, timer, TFLOP/s, GB/s, % of peak, max abs error.
+
+    digits: decimals of the ms and the TFLOP/s columns."""
+    ms, tf = digits
+    return (
+        f"| {name} | {impl} | {seconds * 1e3:.{ms}f} | {timer} | {flops / seconds / 1e12:.{tf}f} "
+        f"| {nbytes / seconds / 1e9:.0f} | {percent_of_peak(flops, nbytes, seconds):.1f} | {err:.2e} |"
+    )

@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
+from ddtree_jax.pallas.bench_util import device_time, table_row
 from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas, num_splits
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DrafterAttentionShape
@@ -82,11 +82,7 @@ def main(argv=None):
                 continue
             sec, timer = device_time(fn, x, args.reps)
             err = float(jnp.max(jnp.abs(fn(*x).astype(jnp.float32) - expected.astype(jnp.float32))))
-            pct = percent_of_peak(flops, nbytes, sec)
-            print(
-                f"| {name} | {impl} | {sec * 1e3:.4f} | {timer} | {flops / sec / 1e12:.2f} | {nbytes / sec / 1e9:.0f} "
-                f"| {pct:.1f} | {err:.2e} |"
-            )
+            print(table_row(name, impl, sec, timer, flops, nbytes, err, digits=(4, 2)))
 
 
 if __name__ == "__main__":

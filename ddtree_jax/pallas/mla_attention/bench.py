@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
+from ddtree_jax.pallas.bench_util import device_time, table_row
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MLAShape
@@ -101,11 +101,7 @@ def main(argv=None):
                 print(f"| {name} | {impl} | failed: {type(err).__name__}: {str(err).splitlines()[0][:160]} |")
                 continue
             err = float(jnp.max(jnp.abs(fn(*x) - expected)))
-            pct = percent_of_peak(flops, nbytes, sec)
-            print(
-                f"| {name} | {impl} | {sec * 1e3:.3f} | {timer} | {flops / sec / 1e12:.1f} | {nbytes / sec / 1e9:.0f} "
-                f"| {pct:.1f} | {err:.2e} |"
-            )
+            print(table_row(name, impl, sec, timer, flops, nbytes, err))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas import mosaic_interpret
-from ddtree_jax.pallas.bench_util import device_time, percent_of_peak
+from ddtree_jax.pallas.bench_util import device_time, table_row
 from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
@@ -127,11 +127,7 @@ def main(argv=None):
                 print(f"| {name} | {impl} | failed: {type(err).__name__}: {str(err).splitlines()[0][:120]} |")
                 continue
             err = float(jnp.max(jnp.abs(fn(*operands).astype(jnp.float32) - expected)))
-            pct = percent_of_peak(flops, weight_bytes, sec)
-            print(
-                f"| {name} | {impl} | {sec * 1e3:.3f} | {timer} | {flops / sec / 1e12:.1f} | {weight_bytes / sec / 1e9:.0f} "
-                f"| {pct:.1f} | {err:.2e} |"
-            )
+            print(table_row(name, impl, sec, timer, flops, weight_bytes, err))
 
 
 if __name__ == "__main__":
