@@ -242,8 +242,9 @@ def copy_bandwidth(reps: int) -> float:
     return 2 * x.nbytes / seconds / 1e9
 
 
-def drafter_ms(cfg: config.TargetConfig, context: int, reps: int, key) -> float:
-    """Device time of one draft of the drafter's shard (a 16-token block over `context` positions)."""
+def drafter_ms(cfg: config.TargetConfig, context: int, reps: int, key, implementation: str = "auto") -> float:
+    """Device time of one draft of the drafter's shard (a 16-token block over `context` positions;
+    `implementation` is its block attention's)."""
     dcfg = drafter_shard_config(cfg.vocab_size)
     params = random_like(dflash.abstract_params(dcfg, jnp.bfloat16), key)
     cache = random_like(dflash.DrafterCache.init(dcfg, 1, context, jnp.bfloat16), key, std=1.0)
@@ -252,7 +253,7 @@ def drafter_ms(cfg: config.TargetConfig, context: int, reps: int, key) -> float:
     unembed = unembed.T
     block = jnp.zeros((1, dcfg.block_size), jnp.int32)
     pos = jnp.arange(context - 16, context - 16 + dcfg.block_size, dtype=jnp.int32)[None]
-    fn = jax.jit(lambda p, c, e, u, b: dflash.draft(p, c, e, u, b, pos))
+    fn = jax.jit(lambda p, c, e, u, b: dflash.draft(p, c, e, u, b, pos, implementation=implementation))
     return device_time(fn, (params, cache, embed, unembed, block), reps)[0] * 1e3
 
 
@@ -387,7 +388,7 @@ def main():
             print(json.dumps(r), flush=True)
             with open(args.out, "w") as f:
                 json.dump({**result, "rows": rows}, f, indent=1)
-    draft = {c: drafter_ms(cfg, c, args.reps, key) for c in args.contexts}
+    draft = {c: drafter_ms(cfg, c, args.reps, key, args.implementation) for c in args.contexts}
     result.update(rows=rows, draft_ms=draft, projection=project(rows, cfg, draft, args))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

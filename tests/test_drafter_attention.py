@@ -83,8 +83,8 @@ def test_num_splits():
     from ddtree_jax.pallas.drafter_attention.kernel import SPLIT_MIN_REACH, num_splits
 
     assert num_splits(128, 1, 6) == 1 and num_splits(SPLIT_MIN_REACH, 1, 64) == 1
-    assert num_splits(32768, 1, 8) == 33  # Kimi-K2.5-DFlash's TP-8 shard: ~264 programs
-    assert num_splits(32768, 1, 64) == 5
+    assert num_splits(32768, 1, 8) == 64  # Kimi-K2.5-DFlash's TP-8 shard: ~512 programs
+    assert num_splits(32768, 1, 64) == 8
     assert num_splits(2048, 1, 8) == 4  # at least 512 slots a program
     assert num_splits(32768, 8, 64) == 1
 
@@ -121,19 +121,17 @@ def test_dispatch():
 
 
 def test_auto_rule():
-    """ "auto" takes the kernel on a GPU only for short reaches, tileable operands and no mesh."""
-    from ddtree_jax.pallas.drafter_attention.api import AUTO_MAX_REACH, uses_kernel
+    """ "auto" takes the kernel on a GPU only for tileable operands and no mesh."""
+    from ddtree_jax.pallas.drafter_attention.api import uses_kernel
 
     q, kc = jnp.zeros((1, 16, 6, 64)), jnp.zeros((1, 32768, 1, 64))
-    assert uses_kernel("auto", q, kc, 128, on_gpu=True, meshed=False)
-    assert not uses_kernel("auto", q, kc, None, on_gpu=True, meshed=False)  # the whole 32K cache
-    assert not uses_kernel("auto", q, kc, AUTO_MAX_REACH + 1, on_gpu=True, meshed=False)
-    assert uses_kernel("auto", q, kc[:, :AUTO_MAX_REACH], None, on_gpu=True, meshed=False)
-    assert not uses_kernel("auto", q, kc, 128, on_gpu=False, meshed=False)
-    assert not uses_kernel("auto", q, kc, 128, on_gpu=True, meshed=True)
-    assert not uses_kernel("auto", q[..., :24], kc[..., :24], 128, on_gpu=True, meshed=False)
-    assert not uses_kernel("xla", q, kc, 128, on_gpu=True, meshed=False)
-    assert uses_kernel("pallas", q, kc, None, on_gpu=False, meshed=True)
+    assert uses_kernel("auto", q, kc, on_gpu=True, meshed=False)
+    assert not uses_kernel("auto", q, kc, on_gpu=False, meshed=False)
+    assert not uses_kernel("auto", q, kc, on_gpu=True, meshed=True)
+    assert not uses_kernel("auto", q[..., :24], kc[..., :24], on_gpu=True, meshed=False)
+    assert not uses_kernel("auto", q, kc[:, :8], on_gpu=True, meshed=False)  # < 16 slots
+    assert not uses_kernel("xla", q, kc, on_gpu=True, meshed=False)
+    assert uses_kernel("pallas", q, kc, on_gpu=False, meshed=True)
 
 
 def _drafter(target_cfg, window, causal, seed=0):

@@ -94,6 +94,9 @@ DRAFTER_ATTENTION_SHAPES: dict[str, DrafterAttentionShape] = {
     "shipped_ctx32k": DrafterAttentionShape(1, 6, 1, 64, 32768, 32000, 128),
     "shipped_ctx512_batch8": DrafterAttentionShape(8, 6, 1, 64, 512, 384, 128),
     # z-lab/Kimi-K2.5-DFlash's shape (64 / 8 heads of 128, full attention), whole and one TP-8 shard
-    "kimi_k25_dflash_32k": DrafterAttentionShape(1, 64, 8, 128, 32768, 32000, None),
-    "kimi_k25_dflash_tp8_32k": DrafterAttentionShape(1, 8, 1, 128, 32768, 32000, None),
+    **{
+        f"kimi_k25_dflash{tp}_{k}": DrafterAttentionShape(1, heads, kv, 128, cache, cache - 768, None)
+        for k, cache in (("4k", 4096), ("32k", 32768), ("128k", 131072))
+        for tp, heads, kv in (("", 64, 8), ("_tp8", 8, 1))
+    },
 }

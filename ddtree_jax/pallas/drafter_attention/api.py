@@ -19,29 +19,22 @@ from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_refe
 AUTO_KERNEL = True
 """Whether "auto" takes the kernel on a GPU (False: the XLA path, for before / after runs:
 `experiments/profile_round.py --set ddtree_jax.pallas.drafter_attention.api.AUTO_KERNEL=False`).
-Read when a program is traced."""
-
-AUTO_MAX_REACH = 1024
-""""auto" takes the kernel only where a query sees at most this many context slots (`reach`),
-where `kernel.num_splits` gives one program per row and query head. So measured on an H100
-(session 35, docs/benchmarks.md): 4.7 us against XLA's 13.1 at the shipped drafter's window of
-128 (a 512-slot cache); unsplit over a full 32K-slot cache (Kimi-K2.5-DFlash's heads) it took
-0.68-0.71 ms against XLA's 0.07-0.34. The split walk that longer reaches now take is not yet
-timed, so "auto" leaves them to XLA."""
+Read when a program is traced. Measured on an H100 (session 36, docs/benchmarks.md,
+`python3 -m ddtree_jax.pallas.drafter_attention.bench`): the kernel beat XLA at every named
+shape, from the shipped drafter's window (4.6 us against 12.8) to a full 128K cache with
+Kimi-K2.5-DFlash's heads (0.550 ms against 1.167; its TP-8 shard 0.083 against 0.241)."""
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 """"mosaic" has no kernel of its own here: it takes the XLA path, as the generate-level
 choice "mosaic" means the Mosaic kernels where they exist."""
 
 
-def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, reach: int | None, on_gpu: bool, meshed: bool):
+def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, on_gpu: bool, meshed: bool):
     """Whether `drafter_attention` runs the kernel: "pallas" always; "auto" on a GPU, with no mesh
-    splitting the call, where `kernel.takes` the operands and the reach is <= `AUTO_MAX_REACH`."""
+    splitting the call, where `kernel.takes` the operands."""
     if implementation == "pallas":
         return True
-    s = k_ctx.shape[1]
-    short = (s if reach is None else min(reach, s)) <= AUTO_MAX_REACH
-    return implementation == "auto" and AUTO_KERNEL and on_gpu and not meshed and short and takes(q, k_ctx)
+    return implementation == "auto" and AUTO_KERNEL and on_gpu and not meshed and takes(q, k_ctx)
 
 
 def drafter_attention(
@@ -70,7 +63,7 @@ def drafter_attention(
       window: context slots with position - slot < window are seen (2**31 - 1: all).
       causal: whether block key u is seen only by queries at positions >= its own.
       reach: the most context slots one query can see (static: min(window, S) where the window
-        is known when tracing; None: S); "auto" takes the kernel up to `AUTO_MAX_REACH`.
+        is known when tracing; None: S): how many programs share a head's walk.
       implementation: "xla" (reference.py), "pallas" (the Triton-lowered kernel; the CPU
         interprets it; under a mesh, per shard of batch and heads), "auto" (the kernel on a GPU
         where `kernel.takes` the shapes, the reach is short and no mesh splits the call, else
@@ -91,7 +84,7 @@ def drafter_attention(
         raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
     on_gpu = jax.default_backend() == "gpu"
     mesh = sharding.context_mesh()
-    if not uses_kernel(implementation, q, k_ctx, reach, on_gpu, mesh is not None):
+    if not uses_kernel(implementation, q, k_ctx, on_gpu, mesh is not None):
         return drafter_attention_reference(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
     if not takes(q, k_ctx):
         raise ValueError(

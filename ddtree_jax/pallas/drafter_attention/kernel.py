@@ -42,8 +42,11 @@ SPLIT_MIN_REACH = 1024
 """Reaches (context slots a query sees) up to this run one program per query head, unsplit."""
 SPLIT_MIN_SLOTS = 512
 """Past `SPLIT_MIN_REACH`, a program walks at least this many slots."""
-SPLIT_PROGRAMS = 264
-"""Programs a split grid aims at: two per SM of an H100 / H200 (132)."""
+SPLIT_PROGRAMS = 512
+"""Programs a split grid aims at, about four per SM of an H100 / H200 (132). Measured on an H100
+over a 32K cache (session 36, docs/benchmarks.md): 512 programs were the fastest of the counts
+tried at both Kimi-K2.5-DFlash shapes (8 heads: 64 splits, 0.0305 ms against 0.0385 at 264
+programs; 64 heads: 8 splits, 0.150 against 0.197)."""
 
 
 @dataclasses.dataclass(frozen=True)

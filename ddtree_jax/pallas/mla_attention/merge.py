@@ -1,4 +1,4 @@
-"""The MLA partials' merge as one Triton-lowered Pallas kernel (`MERGE_KERNEL`; off until timed).
+"""The MLA partials' merge as one Triton-lowered Pallas kernel (`MERGE_KERNEL`).
 
 Notation as in mosaic.py: K partials (the cache splits, and the new tokens' split when the
 Mosaic kernel attends them), Q query rows, R latent width, BR columns per program.
@@ -23,10 +23,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-MERGE_KERNEL = False
+MERGE_KERNEL = True
 """Whether `mosaic.mla_attention_mosaic` merges its partials with this kernel where `takes`
-(False: the XLA merge). Not yet timed: `experiments/mla_splits.py --set
-ddtree_jax.pallas.mla_attention.merge.MERGE_KERNEL=True` against False. Read when traced."""
+(False: the XLA merge). Read when traced. Measured on an H100 at 32K, batch-1 AR, 128 splits
+(session 36, docs/benchmarks.md; `experiments/mla_splits.py --set
+ddtree_jax.pallas.mla_attention.merge.MERGE_KERNEL=True` against False, alternated twice):
+the call went 0.0335-0.0336 -> 0.0299-0.0300 ms at 64 heads and 0.0325-0.0327 -> 0.0312-0.0315
+at 8 heads."""
 
 BLOCK_R = 128
 """Latent columns per program."""
