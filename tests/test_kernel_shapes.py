@@ -173,14 +173,27 @@ def test_moe_triton_kernel_lowers_for_the_gpu(name):
     assert _triton_lowered_for_cuda(moe_experts_pallas, *operands).count("xla.gpu.triton") == 2  # gate/up, down
 
 
-def test_mla_merge_kernel_lowers_for_the_gpu():
-    """The partials' merge at a batch-1 AR step of 64 heads over 32K (128 splits), with the new
-    token's partial shared by the heads, to Triton IR."""
+@pytest.mark.parametrize(("splits", "tokens"), [(128, 1), (43, 16)])
+def test_mla_merge_kernel_lowers_for_the_gpu(monkeypatch, splits, tokens):
+    """The partials' merge to Triton IR with `MERGE_EXTENDED`: a batch-1 AR step of 64 heads over
+    32K (128 splits, the new key scored in the merge), and a 16-token tree at 8 heads (43 splits:
+    a block of 64 partials, the rest masked; the new tokens' partial from XLA)."""
+    from ddtree_jax.pallas.mla_attention import merge
     from ddtree_jax.pallas.mla_attention.merge import merge_partials
 
-    f32 = jnp.float32
-    o = jax.ShapeDtypeStruct((1, 128, 64, 512), jnp.bfloat16)
-    lse, new_o, new_lse = (jax.ShapeDtypeStruct(s, f32) for s in ((1, 128, 64), (1, 1, 512), (1, 64)))
-    fn = functools.partial(merge_partials, rows=64, shared=64)
-    text = _triton_lowered_for_cuda(lambda o, lse, no, nl: fn(o, lse, (no, nl)), o, lse, new_o, new_lse)
-    assert "xla.gpu.triton" in text and "grid_y = 64 : i32" in text
+    monkeypatch.setattr(merge, "MERGE_EXTENDED", True)
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    q = 64 if tokens == 1 else tokens * 8
+    o = jax.ShapeDtypeStruct((1, splits, q, 512), bf16)
+    lse = jax.ShapeDtypeStruct((1, splits, q), f32)
+    if tokens == 1:
+        key = [jax.ShapeDtypeStruct(s, bf16) for s in ((1, 64, 512), (1, 64, 64), (1, 1, 512), (1, 1, 64))]
+        key.append(jax.ShapeDtypeStruct((1,), jnp.bool_))
+        fn = lambda o, lse, *key: merge_partials(o, lse, None, tuple(key), rows=q, scale=0.04)  # noqa: E731
+        text = _triton_lowered_for_cuda(fn, o, lse, *key)
+    else:
+        new = jax.ShapeDtypeStruct((1, q, 512), f32), jax.ShapeDtypeStruct((1, q), f32)
+        fn = lambda o, lse, no, nl: merge_partials(o, lse, (no, nl), rows=q)  # noqa: E731
+        text = _triton_lowered_for_cuda(fn, o, lse, *new)
+    assert "xla.gpu.triton" in text and f"grid_y = {q} : i32" in text

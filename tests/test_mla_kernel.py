@@ -284,51 +284,82 @@ def test_auto_takes_the_xla_path_off_hopper_and_for_float32():
 # ---- the partials' merge as one Triton-lowered kernel (merge.MERGE_KERNEL) ------------------
 
 
-@pytest.mark.parametrize("with_new", ["none", "rows", "shared"])
-def test_merge_kernel_matches_the_xla_merge(with_new):
-    """merge_partials against partials.merge (the XLA merge): empty partials (-inf), an all-empty row, the new
-    tokens' partial per row or one shared by a token's heads (AR)."""
-    from ddtree_jax.pallas.mla_attention.merge import merge_partials
+@pytest.mark.parametrize(
+    ("with_new", "k"),
+    [("none", 8), ("none", 5), ("none", 200), ("rows", 8), ("rows", 3), ("shared", 8), ("key", 8), ("key", 6)],
+)
+def test_merge_kernel_matches_the_xla_merge(monkeypatch, with_new, k):
+    """merge_partials against partials.merge (the XLA merge) for K a power of two or not
+    (MERGE_EXTENDED): empty partials (-inf), an all-empty row, the new tokens' partial per row or
+    one shared by a token's heads (AR), or the one AR key scored in the kernel (visible in one
+    row of the batch, masked in the other)."""
+    from ddtree_jax.pallas.mla_attention import merge
+    from ddtree_jax.pallas.mla_attention.mosaic import _new_partial
     from ddtree_jax.pallas.partials import merge as xla_merge
 
     rng = np.random.default_rng(7)
-    b, k, qp, t, n, r = 2, 8, 16, 3, 4, 256
+    b, qp, r, p = 2, 16, 256, 64
+    t, n = (1, 12) if with_new in ("key", "shared") else (3, 4)
     q = t * n
     o = jnp.asarray(rng.normal(size=(b, k, qp, r)), jnp.bfloat16)
-    lse = jnp.asarray(rng.normal(size=(b, k, qp)) * 3, jnp.float32).at[0, 3].set(-jnp.inf).at[1, :, 2].set(-jnp.inf)
-    new, want_new, shared = None, None, 1
-    if with_new != "none":
-        new_lse = jnp.asarray(rng.normal(size=(b, q)), jnp.float32)
-        rows = 1 if with_new == "shared" else q
-        new_o = jnp.asarray(rng.normal(size=(b, rows, r)), jnp.float32)
+    lse = jnp.asarray(rng.normal(size=(b, k, qp)) * 3, jnp.float32).at[0, 1].set(-jnp.inf).at[1, :, 2].set(-jnp.inf)
+    new = key = want_new = None
+    shared = 1
+    if with_new in ("rows", "shared"):
         shared = q if with_new == "shared" else 1
-        new = (new_o, new_lse)
-        want_new = (jnp.broadcast_to(new_o, (b, q, r)).reshape(b, t, n, r), new_lse.reshape(b, t, n))
+        new_o = jnp.asarray(rng.normal(size=(b, q // shared, r)), jnp.float32)
+        new = (new_o, jnp.asarray(rng.normal(size=(b, q)), jnp.float32))
+        want_new = (jnp.broadcast_to(new_o, (b, q, r)).reshape(b, t, n, r), new[1].reshape(b, t, n))
+    elif with_new == "key":
+        q_lat, q_pe = (jnp.asarray(rng.normal(size=(b, qp, d)), jnp.bfloat16) for d in (r, p))
+        ckv, kpe = (jnp.asarray(rng.normal(size=(b, 1, d)), jnp.bfloat16) for d in (r, p))
+        visible = jnp.asarray([True, False])
+        key = (q_lat, q_pe, ckv, kpe, visible)
+        mask = jnp.broadcast_to(visible[:, None, None], (b, 1, 1))
+        want_new = _new_partial(q_lat[:, None, :q], q_pe[:, None, :q], ckv, kpe, mask, 0.05)
     want = xla_merge(o[:, :, :q].reshape(b, k, t, n, r), lse[:, :, :q].reshape(b, k, t, n), want_new)
-    got = merge_partials(o, lse, new, rows=q, shared=shared, interpret=True).reshape(b, t, n, r)
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="K=3"):
-        merge_partials(o[:, :3], lse[:, :3], rows=q, interpret=True)
+
+    def merged():
+        kw = dict(rows=q, shared=shared, scale=0.05, interpret=True)
+        return merge.merge_partials(o, lse, new, key, **kw).reshape(b, t, n, r)
+
+    if k & (k - 1):
+        with pytest.raises(ValueError, match=f"K={k}"):
+            merged()
+        monkeypatch.setattr(merge, "MERGE_EXTENDED", True)
+    np.testing.assert_allclose(merged(), want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(merge, "MERGE_EXTENDED", True)
+    with pytest.raises(ValueError, match="K=257"):
+        merge.merge_partials(jnp.zeros((1, 257, 16, r)), jnp.zeros((1, 257, 16)), rows=q, interpret=True)
 
 
+@pytest.mark.parametrize("extended", [False, True])
 @pytest.mark.parametrize(("t", "new_in_kernel"), [(1, 0), (3, 0), (3, 64)])
-def test_mosaic_with_the_merge_kernel(monkeypatch, t, new_in_kernel):
-    """The Mosaic kernel's partials merged by the Triton kernel: the reference's output, with XLA's
-    new-token partial (AR: shared by the heads; a tree: per row) or the kernel's own."""
+def test_mosaic_with_the_merge_kernel(monkeypatch, t, new_in_kernel, extended):
+    """The Mosaic kernel's partials merged by the Triton kernel: the reference's output, with the
+    new tokens' partial from XLA, the kernel's own, or (MERGE_EXTENDED) at AR the key scored in
+    the merge. K = 4 takes the merge kernel; K = 5 only with MERGE_EXTENDED, else the XLA merge."""
     from ddtree_jax.pallas.mla_attention import merge
 
     monkeypatch.setattr(merge, "MERGE_KERNEL", True)
+    monkeypatch.setattr(merge, "MERGE_EXTENDED", extended)
+    jax.clear_caches()  # the flags are read when traced
     calls = []
     kernel = merge.merge_partials
-    monkeypatch.setattr(merge, "merge_partials", lambda o, *a, **kw: calls.append(o.shape) or kernel(o, *a, **kw))
+
+    def spy(o, *a, **kw):
+        calls.append((o.shape[1], a))
+        return kernel(o, *a, **kw)
+
+    monkeypatch.setattr(merge, "merge_partials", spy)
     rng = np.random.default_rng(21 + t)
     mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(2, 0))
     args = case(rng, 2, t, 3, 128, 64, 256, [200, 0], mask)
-    splits = 3 if new_in_kernel else 4  # 4 partials with the new tokens' split
-    got = _mosaic(*args, scale=0.05, num_splits=splits, new_in_kernel=new_in_kernel)
-    np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
-    assert [c[1] for c in calls] == [4], calls
-    calls.clear()  # 5 partials: the XLA merge
-    got = _mosaic(*args, scale=0.05, num_splits=splits + 1, new_in_kernel=new_in_kernel)
-    np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
-    assert calls == []
+    for k in (4, 5):  # partials, with the new tokens' split where the kernel attends them
+        calls.clear()
+        got = _mosaic(*args, scale=0.05, num_splits=k - (new_in_kernel > 0), new_in_kernel=new_in_kernel)
+        np.testing.assert_allclose(got, mla_attention_reference(*args, 0.05), atol=2e-5, rtol=1e-5)
+        assert [c[0] for c in calls] == ([k] if k == 4 or extended else []), calls
+        if calls and t == 1:  # at AR: the key scored in the merge (extended) or XLA's partial
+            _, new, key = calls[0][1]  # (lse, new, key)
+            assert (key is not None, new is None) == (extended, extended)

@@ -20,7 +20,7 @@ Each program writes its normalized partial output (in the cache's dtype, through
 query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
 The new tokens (T keys under the tree or causal mask) form one more partial, combined
 with the cache's by log-sum-exp (`partials.merge` in XLA, or `merge.merge_partials`, one Triton-lowered
-launch, with `merge.MERGE_KERNEL`). Where T <= `MosaicMLATiles.new_in_kernel`
+launch, with `merge.MERGE_KERNEL`; with `merge.MERGE_EXTENDED` it also scores an AR step's key). Where T <= `MosaicMLATiles.new_in_kernel`
 it comes from the kernel itself: one more split per query tile streams the new keys
 (padded to Tp, a multiple of BK) through the same ring, masked by bits (row r's word w,
 bit j: key 32 w + j visible; one int32 word per 32 keys, loaded beside each tile), so
@@ -458,22 +458,24 @@ def mla_attention_mosaic(
                 f"needs XLA_FLAGS={INTERPRET_NEW_FLAG} set before jax starts (else its warpgroups deadlock)"
             )
         new = (keys(new_ckv), keys(new_kpe), _mask_words(new_mask, n, tp, qp, bk // 32))
-    o, lse = _partials(
-        rows(q_lat), rows(q_pe), cache_ckv, cache_kpe, lens, new, scale=scale, tiles=tiles, interpret=interpret
-    )
-    # The new tokens see the queries as the kernel does: rounded to the cache dtype.
+    q_rows = rows(q_lat), rows(q_pe)
+    o, lse = _partials(*q_rows, cache_ckv, cache_kpe, lens, new, scale=scale, tiles=tiles, interpret=interpret)
+    merged = merge.MERGE_KERNEL and merge.takes(o)
+    key = None  # AR into the merge kernel: the one new key's score is computed there
+    if merged and merge.MERGE_EXTENDED and new is None and t == 1 and r & (r - 1) == 0 and p & (p - 1) == 0:
+        key = (*q_rows, new_ckv, new_kpe, new_mask[:, 0, 0])
     new_part = None
-    if new is None:
+    if new is None and key is None:
+        # The new tokens see the queries as the kernel does: rounded to the cache dtype.
         new_part = _new_partial(q_lat.astype(dtype), q_pe.astype(dtype), new_ckv, new_kpe, new_mask, scale)
-    if merge.MERGE_KERNEL and merge.takes(o):
+    if merged:
         shared = 1
-        if new_part is not None:
-            if t == 1:  # the one key's output is its c_kv for every head (`_new_partial`)
-                new_part, shared = (new_ckv.astype(jnp.float32), new_part[1].reshape(b, q)), n
-            else:
-                new_part = (new_part[0].reshape(b, q, r), new_part[1].reshape(b, q))
-        out = merge.merge_partials(o, lse, new_part, rows=q, shared=shared, interpret=interpret is not None)
-        return out.reshape(b, t, n, r)
+        if new_part is not None and t == 1:  # the one key's output is its c_kv for every head
+            new_part, shared = (new_ckv.astype(jnp.float32), new_part[1].reshape(b, q)), n
+        elif new_part is not None:
+            new_part = (new_part[0].reshape(b, q, r), new_part[1].reshape(b, q))
+        kw = dict(rows=q, shared=shared, scale=scale, interpret=interpret is not None)
+        return merge.merge_partials(o, lse, new_part, key, **kw).reshape(b, t, n, r)
     splits = o.shape[1]
     o = o[:, :, :q].reshape(b, splits, t, n, r)
     lse = lse[:, :, :q].reshape(b, splits, t, n)
