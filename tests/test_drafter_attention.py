@@ -121,17 +121,18 @@ def test_dispatch():
 
 
 def test_auto_rule():
-    """ "auto" takes the kernel on a GPU only for tileable operands and no mesh."""
+    """ "auto" takes the kernel on a GPU only for tileable operands and, under a mesh, shards that
+    hold their query heads' key / value heads (the split itself: tests/test_sharding.py)."""
     from ddtree_jax.pallas.drafter_attention.api import uses_kernel
 
     q, kc = jnp.zeros((1, 16, 6, 64)), jnp.zeros((1, 32768, 1, 64))
-    assert uses_kernel("auto", q, kc, on_gpu=True, meshed=False)
-    assert not uses_kernel("auto", q, kc, on_gpu=False, meshed=False)
-    assert not uses_kernel("auto", q, kc, on_gpu=True, meshed=True)
-    assert not uses_kernel("auto", q[..., :24], kc[..., :24], on_gpu=True, meshed=False)
-    assert not uses_kernel("auto", q, kc[:, :8], on_gpu=True, meshed=False)  # < 16 slots
-    assert not uses_kernel("xla", q, kc, on_gpu=True, meshed=False)
-    assert uses_kernel("pallas", q, kc, on_gpu=False, meshed=True)
+    assert uses_kernel("auto", q, kc, on_gpu=True)
+    assert not uses_kernel("auto", q, kc, on_gpu=False)
+    assert not uses_kernel("auto", q, kc, on_gpu=True, heads_fit=False)
+    assert not uses_kernel("auto", q[..., :24], kc[..., :24], on_gpu=True)
+    assert not uses_kernel("auto", q, kc[:, :8], on_gpu=True)  # < 16 slots
+    assert not uses_kernel("xla", q, kc, on_gpu=True)
+    assert uses_kernel("pallas", q, kc, on_gpu=False, heads_fit=False)
 
 
 def _drafter(target_cfg, window, causal, seed=0):

@@ -114,7 +114,7 @@ PALLAS_SCRIPT = textwrap.dedent(
     # The drafter's block attention kernel per shard of batch and heads: kv heads split with the
     # query heads (8 / 4 over model=4), or one kv head kept whole; kv heads the mesh cannot split
     # as the query heads are refused.
-    from ddtree_jax.pallas.drafter_attention.api import drafter_attention
+    from ddtree_jax.pallas.drafter_attention.api import _shard_specs, drafter_attention
     from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
     pos = jnp.asarray([[20], [9]], jnp.int32) + jnp.arange(16, dtype=jnp.int32)
     for nkv in (4, 1):
@@ -122,18 +122,20 @@ PALLAS_SCRIPT = textwrap.dedent(
               f(2, 16, nkv, 16), f(2, 16, nkv, 16))
         dfn = jax.jit(lambda *a: drafter_attention(*a, window=12, causal=True, implementation="pallas"))
         with jax.set_mesh(mesh):
+            assert _shard_specs(mesh, da, 8, nkv)[1]  # "auto" on a GPU would take the kernel here
             assert "shard_map" in str(jax.make_jaxpr(dfn)(*da))
             got = dfn(*da)
         np.testing.assert_allclose(got, drafter_attention_reference(*da, 12, True), atol=1e-5, rtol=1e-5)
     da2 = (f(2, 16, 8, 16), f(2, 32, 2, 16), f(2, 32, 2, 16), jnp.asarray([20, 9], jnp.int32), pos,
            f(2, 16, 2, 16), f(2, 16, 2, 16))
     with jax.set_mesh(mesh):
+        assert not _shard_specs(mesh, da2, 8, 2)[1]  # "auto": XLA here
         try:
             drafter_attention(*da2, window=12, causal=True, implementation="pallas")
             raise AssertionError("a kv-head split unlike the query heads' was not refused")
         except ValueError as e:
             assert "would not find their own" in str(e), e
-        auto = drafter_attention(*da2, window=12, causal=True)  # auto under a mesh: the XLA path
+        auto = drafter_attention(*da2, window=12, causal=True)  # auto on the CPU: the XLA path
     np.testing.assert_allclose(auto, drafter_attention_reference(*da2, 12, True), atol=1e-5, rtol=1e-5)
 
     # The XLA path's routed experts run expert-parallel by hand too (GSPMD alone all-gathers

@@ -29,12 +29,25 @@ AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 choice "mosaic" means the Mosaic kernels where they exist."""
 
 
-def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, on_gpu: bool, meshed: bool):
-    """Whether `drafter_attention` runs the kernel: "pallas" always; "auto" on a GPU, with no mesh
-    splitting the call, where `kernel.takes` the operands."""
+def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, on_gpu: bool, heads_fit: bool = True):
+    """Whether `drafter_attention` runs the kernel: "pallas" always; "auto" on a GPU where
+    `kernel.takes` the operands and, under a mesh, each shard holds its query heads' key / value
+    heads (`heads_fit`)."""
     if implementation == "pallas":
         return True
-    return implementation == "auto" and AUTO_KERNEL and on_gpu and not meshed and takes(q, k_ctx)
+    return implementation == "auto" and AUTO_KERNEL and on_gpu and heads_fit and takes(q, k_ctx)
+
+
+def _shard_specs(mesh, args, nq: int, nkv: int):
+    """The kernel's shard_map specs of `args` under `mesh`, and whether a shard's query heads find
+    their key / value heads (the mesh splits both alike, or there is one, kept whole)."""
+    heads = ("batch", None, "heads", None)  # q, and the keys / values of the context and the block
+    axes = (heads, heads, heads, ("batch",), ("batch", None), heads, heads)
+    specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
+    q_split = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(specs[0][2])], dtype=int))
+    kv_split = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(specs[1][2])], dtype=int))
+    fit = kv_split == q_split or (kv_split == 1 and nkv == 1)
+    return specs, fit, (q_split, kv_split)
 
 
 def drafter_attention(
@@ -66,8 +79,8 @@ def drafter_attention(
         is known when tracing; None: S): how many programs share a head's walk.
       implementation: "xla" (reference.py), "pallas" (the Triton-lowered kernel; the CPU
         interprets it; under a mesh, per shard of batch and heads), "auto" (the kernel on a GPU
-        where `kernel.takes` the shapes, the reach is short and no mesh splits the call, else
-        XLA; `uses_kernel`), or "mosaic" (no Mosaic kernel: XLA).
+        where `kernel.takes` the shapes and, under a mesh, each shard holds the key / value
+        heads of its query heads, else XLA; `uses_kernel`), or "mosaic" (no Mosaic kernel: XLA).
       tiles: the kernel's `DrafterAttentionTiles` (None: the defaults).
 
     Returns:
@@ -84,12 +97,19 @@ def drafter_attention(
         raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
     on_gpu = jax.default_backend() == "gpu"
     mesh = sharding.context_mesh()
-    if not uses_kernel(implementation, q, k_ctx, on_gpu, mesh is not None):
-        return drafter_attention_reference(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
+    args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)
+    specs, fit, (q_split, kv_split) = (None, True, (1, 1)) if mesh is None else _shard_specs(mesh, args, nq, nkv)
+    if not uses_kernel(implementation, q, k_ctx, on_gpu, fit):
+        return drafter_attention_reference(*args, window, causal)
     if not takes(q, k_ctx):
         raise ValueError(
             f"drafter_attention: the pallas kernel needs a head dim that is a power of two >= 16 and a cache of "
             f">= 16 slots, got head dim {hd} and {s} slots; use implementation='xla'"
+        )
+    if not fit:
+        raise ValueError(
+            f"drafter_attention: the mesh splits the {nq} query heads {q_split} ways and the {nkv} key / value "
+            f"heads {kv_split} ways, so a shard's query heads would not find their own; use implementation='xla'"
         )
     span = s if reach is None else min(reach, s)
 
@@ -98,18 +118,7 @@ def drafter_attention(
         kw = dict(tiles=tiles or DrafterAttentionTiles(), splits=splits, interpret=not on_gpu)
         return drafter_attention_pallas(*a, window, causal, **kw)
 
-    args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)
     if mesh is None:
         return fn(*args)
-    heads = ("batch", None, "heads", None)  # q, and the keys / values of the context and the block
-    axes = (heads, heads, heads, ("batch",), ("batch", None), heads, heads)
-    specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
-    q_split = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(specs[0][2])], dtype=int))
-    kv_split = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(specs[1][2])], dtype=int))
-    if kv_split != q_split and not (kv_split == 1 and nkv == 1):
-        raise ValueError(
-            f"drafter_attention: the mesh splits the {nq} query heads {q_split} ways and the {nkv} key / value "
-            f"heads {kv_split} ways, so a shard's query heads would not find their own; use implementation='xla'"
-        )
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
