@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ddtree_jax.pallas.mla_attention.reference import MASK_VALUE
+
 MERGE_KERNEL = True
 """Whether `mosaic.mla_attention_mosaic` merges its partials with this kernel where `takes`
 (False: the XLA merge). Read when traced. Measured on an H100 at 32K, batch-1 AR, 128 splits
@@ -48,9 +50,6 @@ TILE_ELEMENTS = 128 * 128
 
 MAX_PARTIALS = 256
 """The most partials a program loads at once (then 64 columns a program)."""
-
-MASK_VALUE = -1e30
-"""The masked AR key's score, as `mosaic._new_partial` gives it."""
 
 
 def takes(o: jax.Array) -> bool:
@@ -99,8 +98,7 @@ def merge_partials(
     o: jax.Array,  # [B, K, Qp, R] normalized partials, any float dtype
     lse: jax.Array,  # [B, K, Qp] float32, -inf for an empty partial
     new: tuple[jax.Array, jax.Array] | None = None,  # (o [B, Q / shared, R], lse [B, Q] float32)
-    key: tuple[jax.Array, ...]
-    | None = None,  # (q_lat [B, Qp, R], q_pe [B, Qp, P], ckv [B, 1, R], kpe [B, 1, P], valid [B])
+    key: tuple[jax.Array, ...] | None = None,  # (q_lat, q_pe, ckv, kpe, valid): see Args
     *,
     rows: int,
     shared: int = 1,
@@ -113,9 +111,10 @@ def merge_partials(
       o, lse: the partials and their natural-log log-sum-exps.
       new: the new tokens' partial from XLA, or None; its output rows may be shared by
         `shared` consecutive query rows (at AR the key's c_kv, once for all heads).
-      key: at AR, the one new key instead of `new`: the query rows as the attention kernel
-        saw them, the key's c_kv and k_pe, and whether row b's key is visible. Its score is
-        scale * (q_lat . c_kv + q_pe . k_pe) in float32, its output term c_kv.
+      key: at AR, the one new key instead of `new`: q_lat [B, Qp, R] and q_pe [B, Qp, P], the
+        query rows as the attention kernel saw them; the key's ckv [B, 1, R] and kpe [B, 1, P];
+        valid [B], whether row b's key is visible. Its score is scale * (q_lat . ckv + q_pe .
+        kpe) in float32 (masked: MASK_VALUE), its output term ckv.
       rows: Q, the real query rows (of Qp).
       shared: query rows per output row of `new`.
       scale: the scores' scale (with `key`).

@@ -19,9 +19,10 @@ The cache part runs in one `plgpu.kernel` on a grid (B, Q / BQ, NS) of three war
 Each program writes its normalized partial output (in the cache's dtype, through the
 query tile's shared memory once both warpgroups are done with it) and its log-sum-exp.
 The new tokens (T keys under the tree or causal mask) form one more partial, combined
-with the cache's by log-sum-exp (`partials.merge` in XLA, or `merge.merge_partials`, one Triton-lowered
-launch, with `merge.MERGE_KERNEL`; with `merge.MERGE_EXTENDED` it also scores an AR step's key). Where T <= `MosaicMLATiles.new_in_kernel`
-it comes from the kernel itself: one more split per query tile streams the new keys
+with the cache's by log-sum-exp (`partials.merge` in XLA, or `merge.merge_partials`, one
+Triton-lowered launch, with `merge.MERGE_KERNEL`; with `merge.MERGE_EXTENDED` it also
+scores an AR step's key). Where T <= `MosaicMLATiles.new_in_kernel` it comes from the
+kernel itself: one more split per query tile streams the new keys
 (padded to Tp, a multiple of BK) through the same ring, masked by bits (row r's word w,
 bit j: key 32 w + j visible; one int32 word per 32 keys, loaded beside each tile), so
 that the whole call is the kernel and the merge. Otherwise XLA computes it (`_new_partial`).
