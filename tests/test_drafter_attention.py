@@ -85,7 +85,8 @@ def test_num_splits():
     assert num_splits(128, 1, 6) == 1 and num_splits(SPLIT_MIN_REACH, 1, 64) == 1
     assert num_splits(32768, 1, 8) == 64  # Kimi-K2.5-DFlash's TP-8 shard: ~512 programs
     assert num_splits(32768, 1, 64) == 8
-    assert num_splits(2048, 1, 8) == 4  # at least 512 slots a program
+    assert num_splits(2048, 1, 8) == 8  # at least 256 slots a program
+    assert num_splits(4096, 1, 8) == 16 and num_splits(4096, 1, 64) == 8
     assert num_splits(32768, 8, 64) == 1
 
 

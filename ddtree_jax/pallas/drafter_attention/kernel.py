@@ -40,8 +40,11 @@ MASK_VALUE = -1e30
 
 SPLIT_MIN_REACH = 1024
 """Reaches (context slots a query sees) up to this run one program per query head, unsplit."""
-SPLIT_MIN_SLOTS = 512
-"""Past `SPLIT_MIN_REACH`, a program walks at least this many slots."""
+SPLIT_MIN_SLOTS = 256
+"""Past `SPLIT_MIN_REACH`, a program walks at least this many slots. Measured on an H100 (session
+36, docs/benchmarks.md): at a 4K cache on Kimi-K2.5-DFlash's TP-8 shard, 16 splits of 256 slots
+took 0.0112 ms against 0.0142 for 8 of 512 (the choice at 512 here) and 0.0129 for 32; at all 64
+heads the program count caps the splits at 8 either way."""
 SPLIT_PROGRAMS = 512
 """Programs a split grid aims at, about four per SM of an H100 / H200 (132). Measured on an H100
 over a 32K cache (session 36, docs/benchmarks.md): 512 programs were the fastest of the counts
