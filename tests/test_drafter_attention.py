@@ -58,6 +58,28 @@ def test_kernel_matches_reference(b, t, nq, nkv, hd, s, lengths, starts, window,
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "b, t, nq, nkv, hd, s, lengths, starts, window, causal, head_group, splits",
+    [
+        (1, 16, 8, 1, 128, 300, [280], [280], FULL, False, 8, 1),  # K2.5-DFlash's TP-8 shard: 8 heads a program
+        (1, 16, 8, 1, 128, 300, [280], [280], FULL, False, 8, 3),  # the same, its walk split
+        (2, 5, 8, 2, 32, 100, [0, 77], [0, 77], 20, True, 4, 2),  # two kv heads, T padded, a window
+        (2, 16, 8, 2, 16, 64, [50, 64], [60, 64], 16, True, 2, 1),  # half a group a program
+    ],
+)
+def test_head_group_kernel_matches_reference(b, t, nq, nkv, hd, s, lengths, starts, window, causal, head_group, splits):
+    """Query heads sharing a key / value head in one program (`head_group`): the reference's output."""
+    args = case(np.random.default_rng(s + head_group), b, t, nq, nkv, hd, s, lengths, starts)
+    want = drafter_attention_reference(*args, window, causal)
+    tiles = DrafterAttentionTiles(block_k=32, head_group=head_group)
+    got = drafter_attention_pallas(*args, window, causal, tiles=tiles, splits=splits, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="head_group 16 must divide"):
+        drafter_attention_pallas(*args, window, causal, tiles=DrafterAttentionTiles(head_group=16), interpret=True)
+    with pytest.raises(ValueError, match="head_group must be a power of two"):
+        DrafterAttentionTiles(head_group=3)
+
+
 @pytest.mark.parametrize("splits", [2, 5])
 @pytest.mark.parametrize(
     "b, t, nq, nkv, hd, s, lengths, starts, window, causal",
@@ -134,6 +156,20 @@ def test_auto_rule():
     assert not uses_kernel("auto", q, kc[:, :8], on_gpu=True)  # < 16 slots
     assert not uses_kernel("xla", q, kc, on_gpu=True)
     assert uses_kernel("pallas", q, kc, on_gpu=False, heads_fit=False)
+
+
+def test_head_group_rule(monkeypatch):
+    """`head_group` (with GROUP_HEADS): the largest power of two dividing the heads a KV head
+    whose rows fit MAX_GROUP_ROWS; 1 with the flag off. Dispatched, the reference's output."""
+    from ddtree_jax.pallas.drafter_attention import api
+
+    assert api.head_group(8, 16) == 1
+    monkeypatch.setattr(api, "GROUP_HEADS", True)
+    assert [api.head_group(g, 16) for g in (1, 6, 8, 16)] == [1, 2, 8, 8]
+    assert api.head_group(8, 17) == 4  # 32 padded tokens a head
+    args = case(np.random.default_rng(5), 2, 16, 8, 2, 32, 64, [40, 64], [40, 64])
+    got = drafter_attention(*args, window=24, causal=True, implementation="pallas")
+    np.testing.assert_allclose(got, drafter_attention_reference(*args, 24, True), atol=2e-6, rtol=2e-6)
 
 
 def _drafter(target_cfg, window, causal, seed=0):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.pallas.drafter_attention import bench as drafter_bench
-from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas, num_splits
+from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas, num_splits
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 from ddtree_jax.pallas.mla_attention import bench as mla_bench
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
@@ -165,6 +165,19 @@ def test_drafter_attention_kernel_lowers_for_the_gpu(name):
     window = shape.window or 2**31 - 1
     text = _triton_lowered_for_cuda(lambda *a: drafter_attention_pallas(*a, window, False, splits=splits), *args)
     assert "xla.gpu.triton" in text and f"grid_z = {splits} : i32" in text
+
+
+@pytest.mark.parametrize("name", ["kimi_k25_dflash_tp8_32k", "kimi_k25_dflash_32k"])
+def test_drafter_attention_head_groups_lower_for_the_gpu(name):
+    """Eight query heads a program (`head_group`, one KV head's): the reshapes to [8 Tp, hd] rows
+    lower to Triton IR at full size, split as `num_splits` chooses for the fewer programs."""
+    shape = DRAFTER_ATTENTION_SHAPES[name]
+    args = jax.eval_shape(lambda: drafter_bench.inputs(shape, jax.random.PRNGKey(1)))
+    splits = num_splits(shape.cache, shape.batch, shape.heads // 8)
+    tiles = DrafterAttentionTiles(head_group=8)
+    fn = functools.partial(drafter_attention_pallas, window=2**31 - 1, causal=False, tiles=tiles, splits=splits)
+    text = _triton_lowered_for_cuda(fn, *args)
+    assert "xla.gpu.triton" in text and f"grid_y = {shape.heads // 8} : i32" in text
 
 
 @pytest.mark.parametrize("name", ["kimi_k2_ep8_tree16", "kimi_k2_ep8_tree64_batch8"])

@@ -114,10 +114,13 @@ PALLAS_SCRIPT = textwrap.dedent(
     # The drafter's block attention kernel per shard of batch and heads: kv heads split with the
     # query heads (8 / 4 over model=4), or one kv head kept whole; kv heads the mesh cannot split
     # as the query heads are refused.
+    from ddtree_jax.pallas.drafter_attention import api as drafter_api
     from ddtree_jax.pallas.drafter_attention.api import _shard_specs, drafter_attention
     from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
     pos = jnp.asarray([[20], [9]], jnp.int32) + jnp.arange(16, dtype=jnp.int32)
-    for nkv in (4, 1):
+    # Then with a shard's heads that share a KV head in one program (GROUP_HEADS: 2 a program).
+    for nkv, grouped in ((4, False), (1, False), (4, True), (1, True)):
+        drafter_api.GROUP_HEADS = grouped
         da = (f(2, 16, 8, 16), f(2, 32, nkv, 16), f(2, 32, nkv, 16), jnp.asarray([20, 9], jnp.int32), pos,
               f(2, 16, nkv, 16), f(2, 16, nkv, 16))
         dfn = jax.jit(lambda *a: drafter_attention(*a, window=12, causal=True, implementation="pallas"))
@@ -126,6 +129,7 @@ PALLAS_SCRIPT = textwrap.dedent(
             assert "shard_map" in str(jax.make_jaxpr(dfn)(*da))
             got = dfn(*da)
         np.testing.assert_allclose(got, drafter_attention_reference(*da, 12, True), atol=1e-5, rtol=1e-5)
+    drafter_api.GROUP_HEADS = False
     da2 = (f(2, 16, 8, 16), f(2, 32, 2, 16), f(2, 32, 2, 16), jnp.asarray([20, 9], jnp.int32), pos,
            f(2, 16, 2, 16), f(2, 16, 2, 16))
     with jax.set_mesh(mesh):

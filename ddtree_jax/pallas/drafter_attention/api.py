@@ -5,6 +5,7 @@ from __future__ import annotations
 import chex
 import jax
 import numpy as np
+from jax.experimental import pallas as pl
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
@@ -24,6 +25,16 @@ Read when a program is traced. Measured on an H100 (session 36, docs/benchmarks.
 shape, from the shipped drafter's window (4.6 us against 12.8) to a full 128K cache with
 Kimi-K2.5-DFlash's heads (0.550 ms against 1.167; its TP-8 shard 0.083 against 0.241)."""
 
+GROUP_HEADS = False
+"""Whether the kernel's default tiles put the query heads that share a key / value head in one
+program (`DrafterAttentionTiles.head_group`, `head_group`), so that a context tile is loaded once
+for them, not once per head (Kimi-K2.5-DFlash: 8 heads a KV head). Checked in interpret mode,
+not yet timed: `python3 -m ddtree_jax.pallas.drafter_attention.bench --head-group 1 8`. Read
+when traced."""
+
+MAX_GROUP_ROWS = 128
+"""The most rows (heads x padded block tokens) `head_group` puts in one program."""
+
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 """"mosaic" has no kernel of its own here: it takes the XLA path, as the generate-level
 choice "mosaic" means the Mosaic kernels where they exist."""
@@ -36,6 +47,16 @@ def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, on_gpu: boo
     if implementation == "pallas":
         return True
     return implementation == "auto" and AUTO_KERNEL and on_gpu and heads_fit and takes(q, k_ctx)
+
+
+def head_group(group: int, tokens: int) -> int:
+    """Query heads per program for `group` heads a KV head and a block of `tokens`: the largest
+    power of two dividing the group whose rows fit `MAX_GROUP_ROWS` (1 unless `GROUP_HEADS`)."""
+    tp = max(16, pl.next_power_of_2(tokens))
+    hg = 1
+    while GROUP_HEADS and group % (2 * hg) == 0 and 2 * hg * tp <= MAX_GROUP_ROWS:
+        hg *= 2
+    return hg
 
 
 def _shard_specs(mesh, args, nq: int, nkv: int):
@@ -113,9 +134,10 @@ def drafter_attention(
         )
     span = s if reach is None else min(reach, s)
 
-    def fn(*a):  # the splits from the (per-shard) rows and heads
-        splits = num_splits(span, a[0].shape[0], a[0].shape[2])
-        kw = dict(tiles=tiles or DrafterAttentionTiles(), splits=splits, interpret=not on_gpu)
+    def fn(*a):  # the splits from the (per-shard) rows and programs' heads
+        chosen = tiles or DrafterAttentionTiles(head_group=head_group(a[0].shape[2] // a[1].shape[2], t))
+        splits = num_splits(span, a[0].shape[0], a[0].shape[2] // chosen.head_group)
+        kw = dict(tiles=chosen, splits=splits, interpret=not on_gpu)
         return drafter_attention_pallas(*a, window, causal, **kw)
 
     if mesh is None:

@@ -2,6 +2,7 @@
 
     python -m ddtree_jax.pallas.drafter_attention.bench            # GPU: every shape, xla and pallas
     python -m ddtree_jax.pallas.drafter_attention.bench --smoke    # CPU: shrunken shapes, interpret mode
+    python -m ddtree_jax.pallas.drafter_attention.bench --head-group 1 8   # also 8 query heads a program
 
 Shapes: `pallas/shapes.py` (DRAFTER_ATTENTION_SHAPES), bf16. Times are device time from a
 profiler trace (`bench_util.device_time`; "wall" where the backend gives none). Costs count
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas.bench_util import device_time, table_row
-from ddtree_jax.pallas.drafter_attention.kernel import drafter_attention_pallas, num_splits
+from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas, num_splits
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DrafterAttentionShape
 
@@ -56,6 +57,9 @@ def main(argv=None):
     ap.add_argument(
         "--splits", type=int, nargs="+", default=[0], help="kernel splits to try (0: `kernel.num_splits`' choice)"
     )
+    ap.add_argument(
+        "--head-group", type=int, nargs="+", default=[1], help="query heads per program to try (`head_group`)"
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
@@ -66,14 +70,21 @@ def main(argv=None):
         shape = DRAFTER_ATTENTION_SHAPES[name].shrink() if args.smoke else DRAFTER_ATTENTION_SHAPES[name]
         window = shape.window or FULL  # the shipped drafter is not causal within its block
         reach = min(shape.window or shape.cache, shape.cache)
-        chosen = num_splits(reach, shape.batch, shape.heads)
         x = inputs(shape, jax.random.PRNGKey(0))
         runs = {"xla": jax.jit(lambda *a, w=window: drafter_attention_reference(*a, w, False))}
-        for n in dict.fromkeys(n or chosen for n in args.splits):
-            label = "pallas" if n == chosen else f"pallas, {n} splits"
-            runs[label] = jax.jit(
-                lambda *a, w=window, n=n: drafter_attention_pallas(*a, w, False, splits=n, interpret=args.smoke)
-            )
+        for hg in args.head_group:
+            if (shape.heads // shape.kv_heads) % hg:
+                continue  # a program's heads must share a key / value head
+            chosen = num_splits(reach, shape.batch, shape.heads // hg)
+            tiles = DrafterAttentionTiles(head_group=hg)
+            for n in dict.fromkeys(n or chosen for n in args.splits):
+                label = "pallas" if n == chosen else f"pallas, {n} splits"
+                label += f", {hg} heads a program" if hg > 1 else ""
+                runs[label] = jax.jit(
+                    lambda *a, w=window, n=n, t=tiles: drafter_attention_pallas(
+                        *a, w, False, tiles=t, splits=n, interpret=args.smoke
+                    )
+                )
         xla = runs["xla"]
         expected = xla(*x)
         flops, nbytes = cost(shape)

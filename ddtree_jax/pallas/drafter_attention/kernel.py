@@ -3,8 +3,10 @@
 Notation as in reference.py; Tp = T rounded up to a power of two >= 16 (the Triton
 lowering's smallest dot), BK the context keys per step.
 
-Grid (B, Nq, J): program (b, h, j) holds query head h's Tp block rows [Tp, hd] and reads
-kv head h // G. Split j = 0 attends the block's own keys (every query sees its own token,
+Grid (B, Nq / Hg, J): program (b, h, j) holds query heads h Hg .. h Hg + Hg - 1 (Hg =
+`DrafterAttentionTiles.head_group`, 1 by default) as [Hg Tp, hd] rows (row t Hg + g: token t
+of its head g) and reads kv head h Hg // G, G = Nq / Nkv; with Hg > 1 a context tile is
+loaded once for the Hg heads that share it. Split j = 0 attends the block's own keys (every query sees its own token,
 so its running max is finite from the start); split j walks its share of the context slots
 [lo, hi) in BK steps with an online softmax in float32, where hi = ctx_len[b] and
 lo = max(0, min(positions[b]) - window + 1): the slots below lo are outside every
@@ -59,16 +61,22 @@ class DrafterAttentionTiles:
     Attributes:
       block_k: context slots per step (a power of two >= 16; shrunk to the cache when smaller).
       num_warps, num_stages: Triton launch parameters.
+      head_group: query heads per program, Hg (a power of two dividing the heads per key /
+        value head): with Hg > 1 a program holds Hg heads' Tp rows as one [Hg Tp, hd] tile, so
+        each context tile is loaded once for the Hg heads instead of once per head.
     """
 
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    head_group: int = 1
 
     def __post_init__(self):
         check_tiles(block_k=self.block_k)
         if self.block_k < 16:
             raise ValueError(f"block_k must be >= 16 (the Triton dot's smallest), got {self.block_k}")
+        if not isinstance(self.head_group, int) or self.head_group < 1 or self.head_group & (self.head_group - 1):
+            raise ValueError(f"head_group must be a power of two >= 1, got {self.head_group!r}")
         check_compiler(self.num_warps, self.num_stages)
 
 
@@ -79,9 +87,9 @@ def takes(q: jax.Array, k_ctx: jax.Array) -> bool:
 
 
 def num_splits(reach: int, batch: int, heads: int, programs: int = SPLIT_PROGRAMS) -> int:
-    """How many programs share one query head's walk over `reach` context slots: 1 up to
-    `SPLIT_MIN_REACH`, else enough that the grid has about `programs` programs, each walking
-    at least `SPLIT_MIN_SLOTS` slots."""
+    """How many programs share the walk of one row's head group over `reach` context slots
+    (`heads`: the head groups a row, Nq / Hg): 1 up to `SPLIT_MIN_REACH`, else enough that the
+    grid has about `programs` programs, each walking at least `SPLIT_MIN_SLOTS` slots."""
     if reach <= SPLIT_MIN_REACH:
         return 1
     return max(1, min(pl.cdiv(reach, SPLIT_MIN_SLOTS), pl.cdiv(programs, batch * heads)))
@@ -91,22 +99,24 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
     f32 = jnp.float32
     split = pl.program_id(2)
     lo, hi, window, causal = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    tp = q_ref.shape[0]
+    tp, hg, hd = q_ref.shape
+    rows = tp * hg  # row t * Hg + g: token t of the program's head g
     s_cap = kc_ref.shape[0]
-    q = q_ref[...]  # [Tp, hd]
-    pos = pos_ref[...]  # [Tp]
+    q = q_ref[...].reshape(rows, hd)
+    pos_t = pos_ref[...]  # [Tp]
+    pos = jnp.broadcast_to(pos_t[:, None], (tp, hg)).reshape(rows)  # each row's position
 
     # The block's own keys (in split 0 only): real tokens, and in a causal layer those not after
     # the query. Split 0's running max is then finite from the start; other splits' rows start
     # all masked (max MASK_VALUE, sum 0) and may stay so.
-    u = jax.lax.broadcasted_iota(jnp.int32, (tp, tp), 1)
-    own = (u < tokens) & ((causal == 0) | (pos[None, :] <= pos[:, None])) & (split == 0)
-    s = jnp.dot(q, kb_ref[...].T, preferred_element_type=f32) * scale  # [Tp, Tp]
+    u = jax.lax.broadcasted_iota(jnp.int32, (rows, tp), 1)
+    own = (u < tokens) & ((causal == 0) | (pos_t[None, :] <= pos[:, None])) & (split == 0)
+    s = jnp.dot(q, kb_ref[...].T, preferred_element_type=f32) * scale  # [Hg Tp, Tp]
     s = jnp.where(own, s, MASK_VALUE)
     m = jnp.max(s, axis=1)
     p = jnp.where(own, jnp.exp(s - m[:, None]), 0.0)
     l_sum = jnp.sum(p, axis=1)
-    acc = jnp.dot(p.astype(vb_ref.dtype), vb_ref[...], preferred_element_type=f32)  # [Tp, hd]
+    acc = jnp.dot(p.astype(vb_ref.dtype), vb_ref[...], preferred_element_type=f32)  # [Hg Tp, hd]
 
     # This split's share of the context slots [lo, hi), in whole steps.
     chunk = pl.cdiv(pl.cdiv(jnp.maximum(hi - lo, 0), splits), block_k) * block_k
@@ -117,7 +127,7 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
         m, l_sum, acc = carry
         nominal = first + i * block_k
         start = jnp.minimum(nominal, s_cap - block_k)
-        slot = start + jax.lax.broadcasted_iota(jnp.int32, (tp, block_k), 1)
+        slot = start + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         seen = (slot >= nominal) & (slot < last) & (pos[:, None] - slot < window)
         s = jnp.dot(q, kc_ref[pl.ds(start, block_k), :].T, preferred_element_type=f32) * scale
         s = jnp.where(seen, s, MASK_VALUE)
@@ -131,12 +141,13 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
     m, l_sum, acc = jax.lax.fori_loop(0, steps, step, (m, l_sum, acc))
     if splits == 1:
         (o_ref,) = out_refs
-        o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype)
+        o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype).reshape(tp, hg, hd)
     else:  # a normalized partial and its log-sum-exp (-inf where the split saw no key), merged in XLA
         o_ref, lse_ref = out_refs
         seen_any = l_sum > 0
-        o_ref[...] = acc / jnp.where(seen_any, l_sum, 1.0)[:, None]
-        lse_ref[...] = jnp.where(seen_any, m + jnp.log(jnp.where(seen_any, l_sum, 1.0)), -jnp.inf)
+        o_ref[...] = (acc / jnp.where(seen_any, l_sum, 1.0)[:, None]).reshape(tp, hg, hd)
+        lse = jnp.where(seen_any, m + jnp.log(jnp.where(seen_any, l_sum, 1.0)), -jnp.inf)
+        lse_ref[...] = lse.reshape(tp, hg)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "splits", "interpret"))
@@ -164,6 +175,9 @@ def drafter_attention_pallas(
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"splits must be an int >= 1, got {splits!r}")
     group = nq // nkv
+    hg = tiles.head_group
+    if group % hg:
+        raise ValueError(f"head_group {hg} must divide the {group} query heads of each key / value head")
     tp = max(16, pl.next_power_of_2(t))
     bk = min(tiles.block_k, 1 << (s_cap.bit_length() - 1))  # a power of two <= S
     if tp != t:  # padded rows are sliced off; padded block keys are masked (u < T)
@@ -176,16 +190,17 @@ def drafter_attention_pallas(
     meta = jnp.stack(
         [lo, hi, jnp.broadcast_to(window, (b,)), jnp.broadcast_to(jnp.asarray(causal, jnp.int32), (b,))], axis=1
     ).astype(jnp.int32)  # [B, 4]
-    rows = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h, 0))
-    kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h // group, 0))
-    kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h, j: (i, 0, h // group, 0))
+    # Program (b, h, j) holds query heads h Hg .. h Hg + Hg - 1, which share key / value head h Hg // G.
+    rows = pl.BlockSpec((None, tp, hg, hd), lambda i, h, j: (i, 0, h, 0))
+    kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h * hg // group, 0))
+    kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h, j: (i, 0, h * hg // group, 0))
     if splits == 1:
         out_specs = rows
         out_shape = jax.ShapeDtypeStruct((b, tp, nq, hd), q.dtype)
     else:
         out_specs = [
-            pl.BlockSpec((None, None, tp, None, hd), lambda i, h, j: (i, j, 0, h, 0)),
-            pl.BlockSpec((None, None, tp, None), lambda i, h, j: (i, j, 0, h)),
+            pl.BlockSpec((None, None, tp, hg, hd), lambda i, h, j: (i, j, 0, h, 0)),
+            pl.BlockSpec((None, None, tp, hg), lambda i, h, j: (i, j, 0, h)),
         ]
         out_shape = [
             jax.ShapeDtypeStruct((b, splits, tp, nq, hd), jnp.float32),
@@ -193,7 +208,7 @@ def drafter_attention_pallas(
         ]
     out = pl.pallas_call(
         functools.partial(_kernel, tokens=t, block_k=bk, scale=hd**-0.5, splits=splits),
-        grid=(b, nq, splits),
+        grid=(b, nq // hg, splits),
         in_specs=[
             pl.BlockSpec((None, 4), lambda i, h, j: (i, 0)),
             pl.BlockSpec((None, tp), lambda i, h, j: (i, 0)),
