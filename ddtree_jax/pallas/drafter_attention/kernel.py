@@ -6,17 +6,18 @@ lowering's smallest dot), BK the context keys per step.
 Grid (B, Nq / Hg, J): program (b, h, j) holds query heads h Hg .. h Hg + Hg - 1 (Hg =
 `DrafterAttentionTiles.head_group`, 1 by default) as [Hg Tp, hd] rows (row t Hg + g: token t
 of its head g) and reads kv head h Hg // G, G = Nq / Nkv; with Hg > 1 a context tile is
-loaded once for the Hg heads that share it. Split j = 0 attends the block's own keys (every query sees its own token,
-so its running max is finite from the start); split j walks its share of the context slots
-[lo, hi) in BK steps with an online softmax in float32, where hi = ctx_len[b] and
-lo = max(0, min(positions[b]) - window + 1): the slots below lo are outside every
-query's window, so a sliding layer reads ~window + BK slots whatever the cache
-capacity (the XLA path reads all S). The last step's start is clamped to S - BK so
-that no load leaves the cache; slots it re-reads are masked out. With J = 1 (`num_splits`:
-short reaches) the program writes the output; with J > 1 (a full layer over a long
-cache) each writes its normalized partial and log-sum-exp, and XLA merges the J partials
-(`partials.merge`, as the MLA kernel's). Matmul operands stay in the input dtype (bf16 on the GPU) with float32
-accumulation, the weights cast to the values' dtype for P V, as the reference does.
+loaded once for the Hg heads that share it. Split j = 0 attends the block's own keys (every
+query sees its own token, so its running max is finite from the start); split j walks its
+share of the context slots [lo, hi) in BK steps with an online softmax in float32, where hi
+= ctx_len[b] and lo = max(0, min(positions[b]) - window + 1): the slots below lo are outside
+every query's window, so a sliding layer reads ~window + BK slots whatever the cache
+capacity (the XLA path reads all S). The last step's start is clamped to S - BK so that no
+load leaves the cache; slots it re-reads are masked out. With J = 1 (`num_splits`: short
+reaches) the program writes the output; with J > 1 (a full layer over a long cache) each
+writes its normalized partial and log-sum-exp, and XLA merges the J partials
+(`partials.merge`, as the MLA kernel's). Matmul operands stay in the input dtype (bf16 on
+the GPU) with float32 accumulation, the weights cast to the values' dtype for P V, as the
+reference does.
 
 Checked against the reference in interpret mode on the CPU (tests/test_drafter_attention.py,
 tests/test_kernel_shapes.py, which also lowers it to Triton IR for CUDA at full size) and
@@ -99,12 +100,12 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
     f32 = jnp.float32
     split = pl.program_id(2)
     lo, hi, window, causal = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    tp, hg, hd = q_ref.shape
+    tp, hg, hd = q_ref.shape if q_ref.ndim == 3 else (q_ref.shape[0], 1, q_ref.shape[1])  # Hg = 1: [Tp, hd]
     rows = tp * hg  # row t * Hg + g: token t of the program's head g
     s_cap = kc_ref.shape[0]
     q = q_ref[...].reshape(rows, hd)
     pos_t = pos_ref[...]  # [Tp]
-    pos = jnp.broadcast_to(pos_t[:, None], (tp, hg)).reshape(rows)  # each row's position
+    pos = pos_t if hg == 1 else jnp.broadcast_to(pos_t[:, None], (tp, hg)).reshape(rows)  # each row's
 
     # The block's own keys (in split 0 only): real tokens, and in a causal layer those not after
     # the query. Split 0's running max is then finite from the start; other splits' rows start
@@ -141,13 +142,13 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
     m, l_sum, acc = jax.lax.fori_loop(0, steps, step, (m, l_sum, acc))
     if splits == 1:
         (o_ref,) = out_refs
-        o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype).reshape(tp, hg, hd)
+        o_ref[...] = (acc / l_sum[:, None]).astype(o_ref.dtype).reshape(o_ref.shape)
     else:  # a normalized partial and its log-sum-exp (-inf where the split saw no key), merged in XLA
         o_ref, lse_ref = out_refs
         seen_any = l_sum > 0
-        o_ref[...] = (acc / jnp.where(seen_any, l_sum, 1.0)[:, None]).reshape(tp, hg, hd)
+        o_ref[...] = (acc / jnp.where(seen_any, l_sum, 1.0)[:, None]).reshape(o_ref.shape)
         lse = jnp.where(seen_any, m + jnp.log(jnp.where(seen_any, l_sum, 1.0)), -jnp.inf)
-        lse_ref[...] = lse.reshape(tp, hg)
+        lse_ref[...] = lse.reshape(lse_ref.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "splits", "interpret"))
@@ -191,7 +192,8 @@ def drafter_attention_pallas(
         [lo, hi, jnp.broadcast_to(window, (b,)), jnp.broadcast_to(jnp.asarray(causal, jnp.int32), (b,))], axis=1
     ).astype(jnp.int32)  # [B, 4]
     # Program (b, h, j) holds query heads h Hg .. h Hg + Hg - 1, which share key / value head h Hg // G.
-    rows = pl.BlockSpec((None, tp, hg, hd), lambda i, h, j: (i, 0, h, 0))
+    heads = None if hg == 1 else hg  # Hg = 1: the head dim squeezed, as the kernel was timed
+    rows = pl.BlockSpec((None, tp, heads, hd), lambda i, h, j: (i, 0, h, 0))
     kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h * hg // group, 0))
     kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h, j: (i, 0, h * hg // group, 0))
     if splits == 1:
@@ -199,8 +201,8 @@ def drafter_attention_pallas(
         out_shape = jax.ShapeDtypeStruct((b, tp, nq, hd), q.dtype)
     else:
         out_specs = [
-            pl.BlockSpec((None, None, tp, hg, hd), lambda i, h, j: (i, j, 0, h, 0)),
-            pl.BlockSpec((None, None, tp, hg), lambda i, h, j: (i, j, 0, h)),
+            pl.BlockSpec((None, None, tp, heads, hd), lambda i, h, j: (i, j, 0, h, 0)),
+            pl.BlockSpec((None, None, tp, heads), lambda i, h, j: (i, j, 0, h)),
         ]
         out_shape = [
             jax.ShapeDtypeStruct((b, splits, tp, nq, hd), jnp.float32),
