@@ -329,6 +329,10 @@ def test_merge_kernel_matches_the_xla_merge(monkeypatch, with_new, k):
         monkeypatch.setattr(merge, "MERGE_EXTENDED", True)
     np.testing.assert_allclose(merged(), want, atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(merge, "MERGE_EXTENDED", True)
+    if key is not None:  # whole rows are Triton blocks: R and P powers of two
+        odd = (q_lat, q_pe[..., :48], ckv, kpe[..., :48], visible)
+        with pytest.raises(ValueError, match="R=256, P=48"):
+            merge.merge_partials(o, lse, None, odd, rows=q, interpret=True)
     with pytest.raises(ValueError, match="K=257"):
         merge.merge_partials(jnp.zeros((1, 257, 16, r)), jnp.zeros((1, 257, 16)), rows=q, interpret=True)
 

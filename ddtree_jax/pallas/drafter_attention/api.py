@@ -5,7 +5,6 @@ from __future__ import annotations
 import chex
 import jax
 import numpy as np
-from jax.experimental import pallas as pl
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
@@ -13,6 +12,7 @@ from ddtree_jax.pallas.drafter_attention.kernel import (
     DrafterAttentionTiles,
     drafter_attention_pallas,
     num_splits,
+    padded_tokens,
     takes,
 )
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
@@ -52,7 +52,7 @@ def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, on_gpu: boo
 def head_group(group: int, tokens: int) -> int:
     """Query heads per program for `group` heads a KV head and a block of `tokens`: the largest
     power of two dividing the group whose rows fit `MAX_GROUP_ROWS` (1 unless `GROUP_HEADS`)."""
-    tp = max(16, pl.next_power_of_2(tokens))
+    tp = padded_tokens(tokens)
     hg = 1
     while GROUP_HEADS and group % (2 * hg) == 0 and 2 * hg * tp <= MAX_GROUP_ROWS:
         hg *= 2

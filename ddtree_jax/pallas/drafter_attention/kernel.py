@@ -87,6 +87,11 @@ def takes(q: jax.Array, k_ctx: jax.Array) -> bool:
     return hd >= 16 and hd & (hd - 1) == 0 and k_ctx.shape[1] >= 16
 
 
+def padded_tokens(tokens: int) -> int:
+    """Tp: the block's tokens rounded up to a power of two >= 16 (the Triton lowering's smallest dot)."""
+    return max(16, pl.next_power_of_2(tokens))
+
+
 def num_splits(reach: int, batch: int, heads: int, programs: int = SPLIT_PROGRAMS) -> int:
     """How many programs share the walk of one row's head group over `reach` context slots
     (`heads`: the head groups a row, Nq / Hg): 1 up to `SPLIT_MIN_REACH`, else enough that the
@@ -105,7 +110,7 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
     s_cap = kc_ref.shape[0]
     q = q_ref[...].reshape(rows, hd)
     pos_t = pos_ref[...]  # [Tp]
-    pos = pos_t if hg == 1 else jnp.broadcast_to(pos_t[:, None], (tp, hg)).reshape(rows)  # each row's
+    pos = pos_t if hg == 1 else jnp.broadcast_to(pos_t[:, None], (tp, hg)).reshape(rows)  # each row's position
 
     # The block's own keys (in split 0 only): real tokens, and in a causal layer those not after
     # the query. Split 0's running max is then finite from the start; other splits' rows start
@@ -179,7 +184,7 @@ def drafter_attention_pallas(
     hg = tiles.head_group
     if group % hg:
         raise ValueError(f"head_group {hg} must divide the {group} query heads of each key / value head")
-    tp = max(16, pl.next_power_of_2(t))
+    tp = padded_tokens(t)
     bk = min(tiles.block_k, 1 << (s_cap.bit_length() - 1))  # a power of two <= S
     if tp != t:  # padded rows are sliced off; padded block keys are masked (u < T)
         pad = [(0, 0), (0, tp - t), (0, 0), (0, 0)]

@@ -60,6 +60,12 @@ def takes(o: jax.Array) -> bool:
     return k <= MAX_PARTIALS and r % BLOCK_R == 0 and (pow2 or MERGE_EXTENDED)
 
 
+def takes_key(r: int, p: int) -> bool:
+    """Whether the kernel can score an AR key itself (`merge_partials`' `key`): it loads whole
+    latent and rope rows, so R and P must be powers of two (Triton blocks)."""
+    return r & (r - 1) == 0 and p & (p - 1) == 0
+
+
 def block_r(k: int) -> int:
     """Columns per program for K partials: BLOCK_R, fewer past 128 partials (`TILE_ELEMENTS`)."""
     return min(BLOCK_R, TILE_ELEMENTS // pl.next_power_of_2(k))
@@ -146,6 +152,8 @@ def merge_partials(
         mode = "key"
         q_lat, q_pe, ckv, kpe, valid = key
         p = q_pe.shape[-1]
+        if not takes_key(r, p):
+            raise ValueError(f"merge_partials scores an AR key only for R and P powers of two, got R={r}, P={p}")
         in_specs += [
             pl.BlockSpec((None, None, r), lambda i, q, j: (i, q, 0)),
             pl.BlockSpec((None, None, p), lambda i, q, j: (i, q, 0)),

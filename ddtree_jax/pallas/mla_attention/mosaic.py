@@ -463,7 +463,7 @@ def mla_attention_mosaic(
     o, lse = _partials(*q_rows, cache_ckv, cache_kpe, lens, new, scale=scale, tiles=tiles, interpret=interpret)
     merged = merge.MERGE_KERNEL and merge.takes(o)
     key = None  # AR into the merge kernel: the one new key's score is computed there
-    if merged and merge.MERGE_EXTENDED and new is None and t == 1 and r & (r - 1) == 0 and p & (p - 1) == 0:
+    if merged and merge.MERGE_EXTENDED and new is None and t == 1 and merge.takes_key(r, p):
         key = (*q_rows, new_ckv, new_kpe, new_mask[:, 0, 0])
     new_part = None
     if new is None and key is None:
