@@ -5,7 +5,7 @@ one wave (the choice before it), in device time, same process.
     python3 experiments/mla_splits.py --smoke        # CPU: shrunk shapes, interpret mode
 
 For each shape (heads x context x batch x new tokens) where the two choices differ (or
-`--splits` adds others), each split count runs the Mosaic kernel once (`bench_util.device_time`,
+`--splits` adds others, or `--every`), each split count runs the Mosaic kernel once (`bench_util.device_time`,
 inputs rotated past the L2 cache), and each output is compared with the XLA reference where its float32 scores stay under 2 GB.
 Rows go to --out as they finish; --budget-s stops starting new ones.
 """
@@ -53,6 +53,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU: shrunk shapes, interpret mode")
     ap.add_argument("--splits", type=int, nargs="+", default=None, help="also run these split counts on every shape")
     ap.add_argument("--kernels", type=int, default=0, help="also list each call's N largest kernels (GPU)")
+    ap.add_argument(
+        "--every", action="store_true", help="also time shapes where the choices agree (to compare --set runs)"
+    )
     _settings.add_argument(ap)
     args = ap.parse_args(argv)
     _settings.apply(args.set)
@@ -77,7 +80,7 @@ def main(argv=None):
                     choices["wave-aware"] = num_splits(batch, tiles_q, blocks, sms)
                     for ns in args.splits or ():
                         choices[f"{ns} splits"] = min(ns, blocks)
-                    if len(set(choices.values())) == 1:
+                    if len(set(choices.values())) == 1 and not args.every:
                         continue
                     labels = {}  # each split count runs once, under every label that chose it
                     for label, ns in choices.items():

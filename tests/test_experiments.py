@@ -738,3 +738,9 @@ def test_mla_splits_runs_each_split_count_once(tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["choice"], r["splits"]) for r in rows] == [("one wave = wave-aware = 4 splits", 4), ("1 splits", 1)]
     assert all(r["max_abs_err"] < 5e-3 for r in rows), rows
+    # Where the choices agree, only --every times the shape (to compare runs under --set).
+    for every, want in ((False, []), (True, [("one wave = wave-aware", 4)])):
+        out.unlink(missing_ok=True)
+        _experiment("mla_splits").main([*shape, "--reps", "1", "--out", str(out), *(["--every"] if every else [])])
+        rows = json.loads(out.read_text()) if out.exists() else []
+        assert [(r["choice"], r["splits"]) for r in rows] == want, rows
