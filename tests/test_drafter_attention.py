@@ -167,9 +167,18 @@ def test_head_group_rule(monkeypatch):
     monkeypatch.setattr(api, "GROUP_HEADS", True)
     assert [api.head_group(g, 16) for g in (1, 6, 8, 16)] == [1, 2, 8, 8]
     assert api.head_group(8, 17) == 4  # 32 padded tokens a head
+    launched = []  # the tiles and splits the dispatch hands the kernel
+
+    def spy(*a, tiles, splits, **kw):
+        launched.append((tiles.head_group, splits))
+        return drafter_attention_pallas(*a, tiles=tiles, splits=splits, **kw)
+
+    monkeypatch.setattr(api, "drafter_attention_pallas", spy)
     args = case(np.random.default_rng(5), 2, 16, 8, 2, 32, 64, [40, 64], [40, 64])
     got = drafter_attention(*args, window=24, causal=True, implementation="pallas")
     np.testing.assert_allclose(got, drafter_attention_reference(*args, 24, True), atol=2e-6, rtol=2e-6)
+    # 4 heads a KV head, all in one program; the splits counted over the 2 programs a row.
+    assert launched == [(4, api.num_splits(64, 2, 2))], launched
 
 
 def _drafter(target_cfg, window, causal, seed=0):
