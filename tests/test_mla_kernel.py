@@ -324,6 +324,7 @@ def test_merge_kernel_matches_the_xla_merge(monkeypatch, with_new, k):
         return merge.merge_partials(o, lse, new, key, **kw).reshape(b, t, n, r)
 
     if k & (k - 1):
+        monkeypatch.setattr(merge, "MERGE_EXTENDED", False)
         with pytest.raises(ValueError, match=f"K={k}"):
             merged()
         monkeypatch.setattr(merge, "MERGE_EXTENDED", True)

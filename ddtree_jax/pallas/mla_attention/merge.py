@@ -34,13 +34,15 @@ ddtree_jax.pallas.mla_attention.merge.MERGE_KERNEL=True` against False, alternat
 the call went 0.0335-0.0336 -> 0.0299-0.0300 ms at 64 heads and 0.0325-0.0327 -> 0.0312-0.0315
 at 8 heads."""
 
-MERGE_EXTENDED = False
+MERGE_EXTENDED = True
 """Whether the kernel also takes K that is no power of two (trees, batch > 1, the one-wave
 split counts; up to `MAX_PARTIALS`) and, at AR, scores the new key itself instead of XLA
-(two launches fewer). Checked in interpret mode and lowered to Triton IR, not yet timed:
-`experiments/mla_splits.py --heads 64 8 --contexts 32768 --batches 1 8 --tokens 1 17 33 65
---set ddtree_jax.pallas.mla_attention.merge.MERGE_EXTENDED=True` against False. Read when
-traced."""
+(two launches fewer). On since session 38: on one H200 it was as fast or faster at every
+shape timed (AR batch 1, 64 heads at 32K: 0.0261 -> 0.0237 ms; 8 heads: 0.0274 -> 0.0250;
+8-head trees of 17 / 33 tokens: 0.0658 -> 0.0545, 0.0767 -> 0.0733), the rest within 1%
+(`experiments/mla_splits.py --heads 64 8 --contexts 32768 --batches 1 8 --tokens 1 17 33 65
+--every --set ddtree_jax.pallas.mla_attention.merge.MERGE_EXTENDED=False|True`,
+docs/results/s38/mla_merge_*.log). Read when traced."""
 
 BLOCK_R = 128
 """Latent columns per program, up to 128 partials (`block_r`)."""
