@@ -15,6 +15,7 @@ from ddtree_jax.generate import generate
 from ddtree_jax.pallas.drafter_attention.api import drafter_attention
 from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
+from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES
 from tests.conftest import random_target, tiny
 
 FULL = 2**31 - 1
@@ -159,14 +160,26 @@ def test_auto_rule():
 
 
 def test_head_group_rule(monkeypatch):
-    """`head_group` (with GROUP_HEADS): the largest power of two dividing the heads a KV head
-    whose rows fit MAX_GROUP_ROWS; 1 with the flag off. Dispatched, the reference's output."""
+    """`head_group`: the largest power of two dividing the heads a KV head whose rows fit
+    MAX_GROUP_ROWS, where the slots walked (reach x batch x KV heads) reach GROUP_MIN_SLOTS; 1
+    with GROUP_HEADS off. Dispatched, the reference's output."""
     from ddtree_jax.pallas.drafter_attention import api
 
-    assert api.head_group(8, 16) == 1
-    monkeypatch.setattr(api, "GROUP_HEADS", True)
     assert [api.head_group(g, 16) for g in (1, 6, 8, 16)] == [1, 2, 8, 8]
     assert api.head_group(8, 17) == 4  # 32 padded tokens a head
+    assert api.head_group(8, 16, api.GROUP_MIN_SLOTS - 1) == 1 and api.head_group(8, 16, api.GROUP_MIN_SLOTS) == 8
+    # The named shapes where 8 heads a program measured faster on an H200 (session 38) are
+    # exactly those the rule groups.
+    grouped = {
+        name
+        for name, sh in DRAFTER_ATTENTION_SHAPES.items()
+        if api.head_group(sh.heads // sh.kv_heads, 16, min(sh.window or sh.cache, sh.cache) * sh.batch * sh.kv_heads)
+        > 1
+    }
+    assert grouped == {"kimi_k25_dflash_32k", "kimi_k25_dflash_128k", "kimi_k25_dflash_tp8_128k"}, grouped
+    monkeypatch.setattr(api, "GROUP_HEADS", False)
+    assert api.head_group(8, 16) == 1
+    monkeypatch.setattr(api, "GROUP_HEADS", True)
     launched = []  # the tiles and splits the dispatch hands the kernel
 
     def spy(*a, tiles, splits, **kw):
@@ -175,10 +188,16 @@ def test_head_group_rule(monkeypatch):
 
     monkeypatch.setattr(api, "drafter_attention_pallas", spy)
     args = case(np.random.default_rng(5), 2, 16, 8, 2, 32, 64, [40, 64], [40, 64])
+    want = drafter_attention_reference(*args, 24, True)
+    # 64 slots x 2 rows x 2 KV heads: too few to group.
+    np.testing.assert_allclose(
+        drafter_attention(*args, window=24, causal=True, implementation="pallas"), want, atol=2e-6
+    )
+    monkeypatch.setattr(api, "GROUP_MIN_SLOTS", 0)
     got = drafter_attention(*args, window=24, causal=True, implementation="pallas")
-    np.testing.assert_allclose(got, drafter_attention_reference(*args, 24, True), atol=2e-6, rtol=2e-6)
-    # 4 heads a KV head, all in one program; the splits counted over the 2 programs a row.
-    assert launched == [(4, api.num_splits(64, 2, 2))], launched
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    # Then 4 heads a KV head, all in one program; the splits counted over the 2 programs a row.
+    assert launched == [(1, api.num_splits(64, 2, 8)), (4, api.num_splits(64, 2, 2))], launched
 
 
 def _drafter(target_cfg, window, causal, seed=0):

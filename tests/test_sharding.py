@@ -119,6 +119,7 @@ PALLAS_SCRIPT = textwrap.dedent(
     from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
     pos = jnp.asarray([[20], [9]], jnp.int32) + jnp.arange(16, dtype=jnp.int32)
     # Then with a shard's heads that share a KV head in one program (GROUP_HEADS: 2 a program).
+    drafter_api.GROUP_MIN_SLOTS = 0  # these small shapes group too
     for nkv, grouped in ((4, False), (1, False), (4, True), (1, True)):
         drafter_api.GROUP_HEADS = grouped
         da = (f(2, 16, 8, 16), f(2, 32, nkv, 16), f(2, 32, nkv, 16), jnp.asarray([20, 9], jnp.int32), pos,

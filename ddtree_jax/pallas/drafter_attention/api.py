@@ -9,6 +9,8 @@ import numpy as np
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation
 from ddtree_jax.pallas.drafter_attention.kernel import (
+    SPLIT_MIN_SLOTS,
+    SPLIT_PROGRAMS,
     DrafterAttentionTiles,
     drafter_attention_pallas,
     num_splits,
@@ -25,12 +27,22 @@ Read when a program is traced. Measured on an H100 (session 36, docs/benchmarks.
 shape, from the shipped drafter's window (4.6 us against 12.8) to a full 128K cache with
 Kimi-K2.5-DFlash's heads (0.550 ms against 1.167; its TP-8 shard 0.083 against 0.241)."""
 
-GROUP_HEADS = False
+GROUP_HEADS = True
 """Whether the kernel's default tiles put the query heads that share a key / value head in one
 program (`DrafterAttentionTiles.head_group`, `head_group`), so that a context tile is loaded once
-for them, not once per head (Kimi-K2.5-DFlash: 8 heads a KV head). Checked in interpret mode,
-not yet timed: `python3 -m ddtree_jax.pallas.drafter_attention.bench --head-group 1 8`. Read
-when traced."""
+for them, not once per head (Kimi-K2.5-DFlash: 8 heads a KV head), where the grouped grid still
+fills (`GROUP_MIN_SLOTS`). Read when traced."""
+
+GROUP_MIN_SLOTS = SPLIT_PROGRAMS * SPLIT_MIN_SLOTS
+"""Heads are grouped only where the slots the programs walk, summed over rows and KV heads
+(reach x batch x KV heads), are at least this: enough for `SPLIT_PROGRAMS` grouped programs of
+`SPLIT_MIN_SLOTS` slots each. One H200 (session 38, `python3 -m
+ddtree_jax.pallas.drafter_attention.bench --reps 20 --head-group 1 8`,
+docs/results/s38/drafter_head_group_h200.log), 8 heads a program against 1, Kimi-K2.5-DFlash:
+faster at 1M and 256K such slots (128K / 32K caches, 8 KV heads: 0.558 -> 0.389 ms, 0.148 ->
+0.134) and at 128K (its TP-8 shard at 128K: 0.083 -> 0.080); slower below (32K: TP-8 at 32K
+0.030 -> 0.036; 4K and TP-8 at 4K 0.025 -> 0.034, 0.011 -> 0.026), where the grouped grid has
+too few programs or too short a walk each."""
 
 MAX_GROUP_ROWS = 128
 """The most rows (heads x padded block tokens) `head_group` puts in one program."""
@@ -49,12 +61,15 @@ def uses_kernel(implementation: str, q: jax.Array, k_ctx: jax.Array, on_gpu: boo
     return implementation == "auto" and AUTO_KERNEL and on_gpu and heads_fit and takes(q, k_ctx)
 
 
-def head_group(group: int, tokens: int) -> int:
+def head_group(group: int, tokens: int, kv_slots: int | None = None) -> int:
     """Query heads per program for `group` heads a KV head and a block of `tokens`: the largest
-    power of two dividing the group whose rows fit `MAX_GROUP_ROWS` (1 unless `GROUP_HEADS`)."""
+    power of two dividing the group whose rows fit `MAX_GROUP_ROWS`; 1 unless `GROUP_HEADS` and
+    `kv_slots` (reach x batch x KV heads; None: any) is at least `GROUP_MIN_SLOTS`."""
+    if not GROUP_HEADS or (kv_slots is not None and kv_slots < GROUP_MIN_SLOTS):
+        return 1
     tp = padded_tokens(tokens)
     hg = 1
-    while GROUP_HEADS and group % (2 * hg) == 0 and 2 * hg * tp <= MAX_GROUP_ROWS:
+    while group % (2 * hg) == 0 and 2 * hg * tp <= MAX_GROUP_ROWS:
         hg *= 2
     return hg
 
@@ -135,7 +150,8 @@ def drafter_attention(
     span = s if reach is None else min(reach, s)
 
     def fn(*a):  # the splits from the (per-shard) rows and programs' heads
-        chosen = tiles or DrafterAttentionTiles(head_group=head_group(a[0].shape[2] // a[1].shape[2], t))
+        b_, nkv_ = a[0].shape[0], a[1].shape[2]
+        chosen = tiles or DrafterAttentionTiles(head_group=head_group(a[0].shape[2] // nkv_, t, span * b_ * nkv_))
         splits = num_splits(span, a[0].shape[0], a[0].shape[2] // chosen.head_group)
         kw = dict(tiles=chosen, splits=splits, interpret=not on_gpu)
         return drafter_attention_pallas(*a, window, causal, **kw)
