@@ -15,6 +15,30 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
+HF_DEFAULTS: dict[str, Any] = {
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 3,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_interleave": True,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+"""What HF `DeepseekV3Config` (transformers 5.17; DeepSeek-V3's and Kimi-K2's own config
+classes agree) takes for a key a `config.json` leaves out: `from_hf_config` reads the same
+model HF loads. `TargetConfig`'s own defaults are for presets built in code."""
+
 
 class ConfigError(ValueError):
     """A configuration the engine cannot run, with the offending field named."""
@@ -98,7 +122,8 @@ class TargetConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    # One id, or several (an HF config's list: generation stops at any of them).
+    eos_token_id: int | tuple[int, ...] | None = None
     # Routed experts stored INT4 (W4A16, symmetric) in groups of this many inputs, as
     # compressed-tensors pack-quantized checkpoints ship them; None = unquantized.
     expert_int4_group_size: int | None = None
@@ -153,8 +178,17 @@ class TargetConfig:
             raise ConfigError(f"routed_scaling_factor must be finite and > 0, got {r!r}")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value < self.vocab_size):
-                raise ConfigError(f"{name}={value!r} is not a token id in the vocabulary [0, {self.vocab_size})")
+            ids = value if isinstance(value, tuple) and name == "eos_token_id" and value else (value,)
+            for i in ids:
+                if i is not None and not (_is_int(i) and 0 <= i < self.vocab_size):
+                    raise ConfigError(f"{name}={value!r} is not a token id in the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids generation stops at by default: `eos_token_id`'s, none if it is None."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     def _validate_moe(self):
         e, k = self.n_routed_experts, self.num_experts_per_tok
@@ -285,16 +319,6 @@ class TargetConfig:
                 raise ConfigError(f"{key} {hf[key]!r} is not supported (only {want!r})")
         if hf.get("moe_layer_freq", 1) != 1:
             raise ConfigError(f"moe_layer_freq {hf['moe_layer_freq']!r} is not supported (only 1)")
-        nh = hf.get("num_attention_heads")
-        nkv = hf.get("num_key_value_heads")
-        if nkv is not None and nkv != nh:
-            raise ConfigError(f"num_key_value_heads={nkv} != num_attention_heads={nh} is not supported by MLA")
-
-        rope_theta, yarn = parse_rope(hf, 10000.0)
-
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
         required = (
             "vocab_size",
             "hidden_size",
@@ -305,13 +329,20 @@ class TargetConfig:
         missing = [k for k in required if k not in hf]
         if missing:
             raise ConfigError(f"config.json lacks required keys: {missing}")
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        nh = hf["num_attention_heads"]
+        nkv = hf.get("num_key_value_heads")
+        if nkv is not None and nkv != nh:
+            raise ConfigError(f"num_key_value_heads={nkv} != num_attention_heads={nh} is not supported by MLA")
 
-        def get(name, fallback=None):
+        rope_theta, yarn = parse_rope(hf, 10000.0)
+
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = (eos[0] if len(eos) == 1 else tuple(eos)) if eos else None
+
+        def get(name):  # a key absent (or null) reads as HF DeepseekV3Config's default, as HF loads it
             value = hf.get(name)
-            if value is None:
-                value = defaults.get(name, fallback)
-            return value
+            return HF_DEFAULTS[name] if value is None else value
 
         def flag(name):  # bool("false") would be True
             value = get(name)
@@ -325,16 +356,16 @@ class TargetConfig:
             num_hidden_layers=hf["num_hidden_layers"],
             num_attention_heads=nh,
             intermediate_size=hf["intermediate_size"],
-            moe_intermediate_size=get("moe_intermediate_size", 0),
-            n_routed_experts=get("n_routed_experts", 0),
-            num_experts_per_tok=get("num_experts_per_tok", 0),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            n_routed_experts=get("n_routed_experts"),
+            num_experts_per_tok=get("num_experts_per_tok"),
             n_shared_experts=get("n_shared_experts"),
             n_group=get("n_group"),
             topk_group=get("topk_group"),
             routed_scaling_factor=_number("routed_scaling_factor", get("routed_scaling_factor")),
             norm_topk_prob=flag("norm_topk_prob"),
             first_k_dense_replace=get("first_k_dense_replace"),
-            q_lora_rank=hf.get("q_lora_rank"),
+            q_lora_rank=hf["q_lora_rank"] if "q_lora_rank" in hf else HF_DEFAULTS["q_lora_rank"],  # null: plain q_proj
             kv_lora_rank=get("kv_lora_rank"),
             qk_nope_head_dim=get("qk_nope_head_dim"),
             qk_rope_head_dim=get("qk_rope_head_dim"),
@@ -393,8 +424,9 @@ def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnCon
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a JSON object, got {value!r}")
     theta = _number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    # rope_scaling's type, where it names one, wins over rope_parameters' (as HF reads both)
+    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", rope.get("type", "default"))
     rope = {**rope, **scaling}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "yarn":

@@ -434,7 +434,7 @@ def generate(
       top_p: sampling keeps the nucleus of mass top_p (1.0 = all).
       key: PRNG key; required when temperature > 0.
       stop_token_ids: a row ends after emitting one of these (it is included).
-        Defaults to the config's eos_token_id, if any; pass () for none.
+        Defaults to the config's eos_token_id (each id of a list), if any; pass () for none.
       prompt_lengths: valid length of each row of a padded array.
       cache_capacity: KV-cache slots per row; default: padded prompt width +
         max_new_tokens + draft depth, rounded up to a multiple of 64 (shapes
@@ -537,7 +537,7 @@ def _run(
     _check_key(key)
     ids, lengths = _as_batch(prompts, prompt_lengths, cfg.vocab_size)
     if stop_token_ids is None:
-        stop_token_ids = () if cfg.eos_token_id is None else (cfg.eos_token_id,)
+        stop_token_ids = cfg.stop_token_ids
     if isinstance(stop_token_ids, (np.ndarray, jax.Array)) and stop_token_ids.ndim == 1:
         stop_token_ids = np.asarray(stop_token_ids).tolist()  # array elements as Python numbers
     if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Sequence):

@@ -158,8 +158,47 @@ def test_unsupported_hf_configs(change, match):
         TargetConfig.from_hf_config(hf)
 
 
+def test_absent_keys_read_as_hf_deepseek_v3_defaults():
+    """A key config.json leaves out is what HF's DeepseekV3Config gives it (HF loads that model),
+    not this dataclass's preset defaults; a null q_lora_rank is a plain q_proj, an absent one 1536."""
+    hf = {**config.TINY.to_hf_config(), "num_hidden_layers": 4, "n_routed_experts": 16}
+    for key in ("n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "q_lora_rank"):
+        hf.pop(key)
+    cfg = TargetConfig.from_hf_config(hf)
+    assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor) == (8, 4, 2.5)
+    assert (cfg.first_k_dense_replace, cfg.q_lora_rank) == (3, 1536)
+    assert TargetConfig.from_hf_config({**hf, "q_lora_rank": None}).q_lora_rank is None
+    # An all-dense model needs no MoE keys.
+    dense = {
+        k: v for k, v in hf.items() if k not in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+    }
+    dense["first_k_dense_replace"] = 4
+    assert TargetConfig.from_hf_config(dense).num_moe_layers == 0
+
+
+def test_eos_list_stops_at_each_id():
+    hf = {**config.TINY.to_hf_config(), "eos_token_id": [5, 6]}
+    cfg = TargetConfig.from_hf_config(hf)
+    assert cfg.eos_token_id == (5, 6) and cfg.stop_token_ids == (5, 6)
+    assert TargetConfig.from_hf_config(json.loads(json.dumps(cfg.to_hf_config()))) == cfg
+    assert TargetConfig.from_hf_config({**hf, "eos_token_id": [7]}).stop_token_ids == (7,)
+    assert dataclasses.replace(config.TINY, eos_token_id=None).stop_token_ids == ()
+    with pytest.raises(ConfigError, match=r"eos_token_id=\(5, 256\)"):
+        TargetConfig.from_hf_config({**hf, "eos_token_id": [5, 256]})
+
+
+def test_rope_scaling_type_wins_over_rope_parameters_default():
+    hf = config.TINY.to_hf_config()
+    hf["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    hf["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    assert TargetConfig.from_hf_config(hf).rope_scaling.factor == 4.0
+
+
 def test_missing_keys():
     hf = config.TINY.to_hf_config()
     del hf["hidden_size"]
     with pytest.raises(ConfigError, match="hidden_size"):
+        TargetConfig.from_hf_config(hf)
+    hf = {k: v for k, v in config.TINY.to_hf_config().items() if k != "num_attention_heads"}
+    with pytest.raises(ConfigError, match=r"lacks required keys: \['num_attention_heads'\]"):
         TargetConfig.from_hf_config(hf)

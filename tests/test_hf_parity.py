@@ -4,6 +4,8 @@ Random weights are written with `save_hf`, loaded by HF from safetensors and by
 us with `load_target`, so the loader is under test as well.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -45,7 +47,18 @@ CONFIGS = {
     "tied_embeddings_top3_of_16": tiny(
         tie_word_embeddings=True, n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=3
     ),
+    # Its config.json leaves these keys out (below): HF reads its DeepseekV3Config defaults, so must we.
+    "hf_defaults_left_out": tiny(
+        num_hidden_layers=4,
+        first_k_dense_replace=3,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+    ),
 }
+LEFT_OUT = {"hf_defaults_left_out": ("first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor")}
 PROMPTS = [[3, 5, 7, 9, 11, 13, 17, 19], [42], [200, 1, 99, 7, 7, 7, 255, 0, 12, 31, 64]]
 
 
@@ -70,6 +83,11 @@ def parity(tmp_path_factory):
         d = root / name
         # One case per expert layout and file layout HF and we both read.
         checkpoint.save_hf(params, d, fused_experts=(i % 2 == 1), max_shard_bytes=60_000 if i == 2 else None)
+        if name in LEFT_OUT:
+            hf = json.loads((d / "config.json").read_text())
+            for key in LEFT_OUT[name]:
+                del hf[key]
+            (d / "config.json").write_text(json.dumps(hf))
         targets[name] = d
         cases.append({"dir": str(d), "prompts": PROMPTS, "max_new_tokens": MAX_NEW})
     refs = run_hf_reference(cases, str(root))
