@@ -744,3 +744,21 @@ def test_mla_splits_runs_each_split_count_once(tmp_path):
         _experiment("mla_splits").main([*shape, "--reps", "1", "--out", str(out), *(["--every"] if every else [])])
         rows = json.loads(out.read_text()) if out.exists() else []
         assert [(r["choice"], r["splits"]) for r in rows] == want, rows
+
+
+def test_ws_fault_checks_the_tree_tiles_on_a_stack_against_the_reference(monkeypatch, capsys):
+    """ws_fault.py's child for "w4a16,0" (interpret mode, shrunk): k2_shard's MoE, top-1 routing
+    on a one-layer stack read at layer 0, every call checked against the XLA reference; a kernel
+    that returns wrong values is counted bad at every call."""
+    from ddtree_jax.pallas.moe import w4a16
+
+    argv = ["--schedule", "w4a16,0", "--tokens", "5", "--top-k", "1", "--stacked", "--calls", "2", "--smoke"]
+    real, rows = w4a16.moe_experts_w4a16, []
+    for broken in (False, True):
+        if broken:
+            monkeypatch.setattr(w4a16, "moe_experts_w4a16", lambda *a, **kw: real(*a, **kw) * 0.5)
+        _experiment("ws_fault").main(argv)
+        rows.append(json.loads(capsys.readouterr().out.split("ROW ", 1)[1]))
+    assert "stages=2, consumers=0" in rows[0]["tiles"], rows
+    assert [r["bad_calls"] for r in rows] == [0, 2], rows
+    assert rows[0]["worst_abs_err"] < 1e-2 * rows[0]["expected_max_abs"], rows
