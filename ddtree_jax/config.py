@@ -158,6 +158,9 @@ class TargetConfig:
         for name in counts:
             if not _is_int(getattr(self, name)):
                 raise ConfigError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("norm_topk_prob", "rope_interleave", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):  # "no" would count as true
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.q_lora_rank is not None and not (_is_int(self.q_lora_rank) and self.q_lora_rank >= 1):
             raise ConfigError(f"q_lora_rank must be None or an int >= 1, got {self.q_lora_rank!r}")
         if self.qk_rope_head_dim % 2:

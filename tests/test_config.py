@@ -133,6 +133,9 @@ def test_kimi_k25_text_config_unwrapped():
         ({"hidden_size": 0}, "hidden_size"),
         ({"eos_token_id": 256}, "eos_token_id=256"),
         ({"n_group": 8, "topk_group": 1}, "needs >= 2 experts"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be True or False, got 'yes'"),
+        ({"rope_interleave": "no"}, "rope_interleave must be True or False"),
+        ({"tie_word_embeddings": 1}, "tie_word_embeddings must be True or False, got 1"),
     ],
 )
 def test_validation(change, match):
