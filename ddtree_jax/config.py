@@ -35,9 +35,9 @@ HF_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,
 }
-"""What HF `DeepseekV3Config` (transformers 5.17; DeepSeek-V3's and Kimi-K2's own config
-classes agree) takes for a key a `config.json` leaves out: `from_hf_config` reads the same
-model HF loads. `TargetConfig`'s own defaults are for presets built in code."""
+"""What HF transformers' `DeepseekV3Config` (5.17; Kimi-K2.5's config class extends it) takes
+for a key a `config.json` leaves out: `from_hf_config` reads the same model HF loads.
+`TargetConfig`'s own defaults are for presets built in code."""
 
 
 class ConfigError(ValueError):

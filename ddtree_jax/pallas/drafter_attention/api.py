@@ -150,9 +150,10 @@ def drafter_attention(
     span = s if reach is None else min(reach, s)
 
     def fn(*a):  # the splits from the (per-shard) rows and programs' heads
-        b_, nkv_ = a[0].shape[0], a[1].shape[2]
-        chosen = tiles or DrafterAttentionTiles(head_group=head_group(a[0].shape[2] // nkv_, t, span * b_ * nkv_))
-        splits = num_splits(span, a[0].shape[0], a[0].shape[2] // chosen.head_group)
+        rows, heads, kv_heads = a[0].shape[0], a[0].shape[2], a[1].shape[2]
+        group = head_group(heads // kv_heads, t, span * rows * kv_heads)
+        chosen = tiles or DrafterAttentionTiles(head_group=group)
+        splits = num_splits(span, rows, heads // chosen.head_group)
         kw = dict(tiles=chosen, splits=splits, interpret=not on_gpu)
         return drafter_attention_pallas(*a, window, causal, **kw)
 
