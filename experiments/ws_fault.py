@@ -67,10 +67,11 @@ def child(args) -> dict:
         run = lambda t: jax.jit(lambda *a: mosaic.moe_experts_mosaic(*a, tiles=t, interpret=interpret))  # noqa: E731
     else:
         weights = [Int4(32).quantize(a) for a in weights]
-        tiles = w4a16.W4A16Tiles(stages=4, consumers=consumers)
-        base = dataclasses.replace(tiles, consumers=0, stages=2)
         if consumers == 0:  # the decode / tree default, checked against the XLA reference
             tiles, base = w4a16.TREE_TILES, None
+        else:
+            tiles = w4a16.W4A16Tiles(stages=4, consumers=consumers)
+            base = dataclasses.replace(tiles, consumers=0, stages=2)
         run = lambda t: jax.jit(  # noqa: E731
             lambda x, idx, w, *ws: w4a16.moe_experts_w4a16(x, idx, w, *ws, tiles=t, interpret=interpret, **layer)
         )

@@ -173,7 +173,9 @@ def test_head_group_rule(monkeypatch):
     grouped = {
         name
         for name, sh in DRAFTER_ATTENTION_SHAPES.items()
-        if api.head_group(sh.heads // sh.kv_heads, 16, min(sh.window or sh.cache, sh.cache) * sh.batch * sh.kv_heads)
+        if api.head_group(
+            sh.heads // sh.kv_heads, sh.tokens, min(sh.window or sh.cache, sh.cache) * sh.batch * sh.kv_heads
+        )
         > 1
     }
     assert grouped == {"kimi_k25_dflash_32k", "kimi_k25_dflash_128k", "kimi_k25_dflash_tp8_128k"}, grouped
