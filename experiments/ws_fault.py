@@ -44,8 +44,6 @@ def child(args) -> dict:
     from ddtree_jax.pallas.shapes import MoEShape
     from ddtree_jax.quant import Int4
 
-    # On purpose, in this child alone: the schedule under test is the refused one.
-    mosaic.refuse_two_consumers = w4a16.refuse_two_consumers = lambda *a: None
     kernel, consumers, *delay = args.schedule.split(",")
     consumers, delay = int(consumers), int(delay[0]) if delay else 1
     shape = MoEShape(tokens=args.tokens, top_k=args.top_k or 8)
@@ -55,6 +53,9 @@ def child(args) -> dict:
             MoEShape(args.tokens, experts=8, top_k=args.top_k or 2, hidden=256, inter=128),
             mosaic_interpret(),
         )
+    if interpret is None and consumers == 2:
+        # On purpose, compiled in this child process alone: the schedule under test is the refused one.
+        mosaic.refuse_two_consumers = lambda *a: None
     x, idx, w, *weights = inputs(shape, jax.random.PRNGKey(args.seed))
     layer = {}
     if args.stacked:  # as the model hands them over: a one-layer stack [1, E, ...] read at layer 0

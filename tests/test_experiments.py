@@ -750,8 +750,9 @@ def test_ws_fault_checks_the_tree_tiles_on_a_stack_against_the_reference(monkeyp
     """ws_fault.py's child for "w4a16,0" (interpret mode, shrunk): k2_shard's MoE, top-1 routing
     on a one-layer stack read at layer 0, every call checked against the XLA reference; a kernel
     that returns wrong values is counted bad at every call."""
-    from ddtree_jax.pallas.moe import w4a16
+    from ddtree_jax.pallas.moe import mosaic, w4a16
 
+    refusal = mosaic.refuse_two_consumers
     argv = ["--schedule", "w4a16,0", "--tokens", "5", "--top-k", "1", "--stacked", "--calls", "2", "--smoke"]
     real, rows = w4a16.moe_experts_w4a16, []
     for broken in (False, True):
@@ -762,3 +763,5 @@ def test_ws_fault_checks_the_tree_tiles_on_a_stack_against_the_reference(monkeyp
     assert "stages=2, consumers=0" in rows[0]["tiles"], rows
     assert [r["bad_calls"] for r in rows] == [0, 2], rows
     assert rows[0]["worst_abs_err"] < 1e-2 * rows[0]["expected_max_abs"], rows
+    # run in-process, the child leaves the other tests' refusal of two compiled consumers alone
+    assert mosaic.refuse_two_consumers is refusal
