@@ -60,8 +60,9 @@ def expert_group_size(hf: dict[str, Any]) -> int | None:
     where = f"quantization_config.config_groups.{name}"
     if not isinstance(scheme, dict) or not isinstance(scheme.get("weights"), dict):
         raise ConfigError(f"{where}.weights is missing")
-    if scheme.get("input_activations") is not None:
-        raise ConfigError(f"{where}.input_activations must be null (W4A16: activations stay bf16)")
+    for key in ("input_activations", "output_activations"):
+        if scheme.get(key) is not None:
+            raise ConfigError(f"{where}.{key} must be null (W4A16: activations stay bf16), got {scheme[key]!r}")
     w = scheme["weights"]
     want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
     for key, value in want.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -30,6 +31,10 @@ __all__ = ["INDEX_FILE", "CheckpointError", "Reader", "hf_tensors", "load_declar
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors no engine computes from: RoPE buffers some exporters save.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+# safetensors dtypes that read into numpy (FP8 and the other narrow floats have no numpy dtype).
+READABLE_KINDS = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32", "F64"})
 
 
 class CheckpointError(ValueError):
@@ -92,6 +97,11 @@ class Reader:
         file, raw = self.where[name]
         return tuple(self._files[file].get_slice(raw).get_shape())
 
+    def stored_kind(self, name: str) -> str:
+        """The tensor's dtype as the safetensors header names it ("BF16", "F32", "F8_E4M3", ...)."""
+        file, raw = self.where[name]
+        return self._files[file].get_slice(raw).get_dtype()
+
     def get(self, name: str, shape: tuple[int, ...], dtype=None, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """The tensor `name`, checked against `shape`, in `dtype` (default: the reader's, else as stored).
 
@@ -115,6 +125,12 @@ class Reader:
         if self.shape(name) != tuple(shape):
             raise CheckpointError(f"weight {name!r} in {file} has shape {self.shape(name)}, expected {tuple(shape)}")
         self.used.add(name)
+        if (kind := self.stored_kind(name)) not in READABLE_KINDS:
+            raise CheckpointError(
+                f"weight {name!r} in {file} is stored as {kind}, which this engine does not read (it reads "
+                f"{', '.join(sorted(READABLE_KINDS))}); an FP8 checkpoint such as DeepSeek-V3's own needs its weights "
+                "dequantized to bf16 first"
+            )
         try:
             handle = self._files[file]
             a = handle.get_tensor(raw) if index is None else handle.get_slice(raw)[index]
@@ -142,8 +158,10 @@ class Reader:
         )
 
     def check_all_used(self, ignore: re.Pattern | None = None) -> None:
-        """Raises CheckpointError naming up to five tensors nothing read."""
-        extra = self.unused(ignore)
+        """Raises CheckpointError naming up to five tensors nothing read. Tensors of no elements
+        are let be: they hold nothing (transformers saves a config's zero-width layers, such as
+        shared experts of n_shared_experts = 0, as [64, 0] tensors)."""
+        extra = [k for k in self.unused(ignore) if math.prod(self.shape(k))]
         if extra:
             shown = ", ".join(repr(k) for k in extra[:5])
             more = " ..." if len(extra) > 5 else ""
@@ -225,6 +243,20 @@ def _blocks(reader: Reader, w: Weight, dtype) -> Callable[[int, tuple[int, ...],
     return block
 
 
+def scale_dtype(reader: Reader, name: str, quant) -> np.dtype:
+    """The dtype INT4 group scales `name` load in: `quant.scale_dtype` (bfloat16, as Kimi-K2.5
+    ships them and the W4A16 kernel reads them), except float32 where the model loads in float32
+    and the scales are stored wider than bfloat16 (compressed-tensors writes an f32 model's
+    scales in f32): rounded to bf16, such a model's logits moved by ~4e-3."""
+    if (
+        reader.dtype is not None
+        and np.dtype(reader.dtype) == np.float32
+        and reader.stored_kind(name) in ("F16", "F32", "F64")
+    ):
+        return np.dtype(np.float32)
+    return np.dtype(quant.scale_dtype)
+
+
 def _int4_part(reader: Reader, w: Weight, name: str, part: int) -> np.ndarray:
     """Grouped int4 values [in / G, out, G] (part 0, after checking weight_shape) or scales
     [in / G, out] (part 1) of one pack-quantized Linear named `name` (`quant` says how HF
@@ -233,7 +265,7 @@ def _int4_part(reader: Reader, w: Weight, name: str, part: int) -> np.ndarray:
     p_name, s_name, shape_name = _quantized_names(name)
     if part == 1:
         scale_shape = (fan_out, fan_in // w.quant.group_size)
-        return np.ascontiguousarray(transpose(reader.get(s_name, scale_shape, np.dtype(w.quant.scale_dtype))))
+        return np.ascontiguousarray(transpose(reader.get(s_name, scale_shape, scale_dtype(reader, s_name, w.quant))))
     stored = reader.get(shape_name, (2,), np.int64)
     if tuple(int(v) for v in stored) != (fan_out, fan_in):
         raise CheckpointError(f"{shape_name} is {stored.tolist()}, expected [{fan_out}, {fan_in}]")

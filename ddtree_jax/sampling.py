@@ -42,6 +42,7 @@ class SamplingConfig:
             object.__setattr__(self, name, float(value))
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check_float32_positive("temperature", self.temperature, zero_means="0 for greedy")
         object.__setattr__(self, "top_k", check_int("top_k", self.top_k, minimum=0))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
@@ -51,9 +52,29 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def check_float32_positive(name: str, value: float, zero_means: str) -> None:
+    """Raises ValueError for a value > 0 below float32's smallest normal number (~1.2e-38): the
+    logits are divided by it in float32, where it is 0 or subnormal (which a device may flush
+    to 0)."""
+    tiny = float(np.finfo(np.float32).tiny)
+    if 0 < value < tiny:
+        raise ValueError(
+            f"{name} {value!r} is below float32's smallest normal number {tiny:.3g}, and the logits are divided "
+            f"by it in float32; use {zero_means}"
+        )
+
+
+def scaled_logits(logits: jax.Array, temperature: float) -> jax.Array:
+    """Float32 logits [..., V] / temperature, less their row maximum first: the same softmax,
+    but a small temperature (1e-40, or 1e-37 on logits of 100) gives -inf to the tokens below
+    the maximum instead of overflowing every logit to inf (NaN probabilities)."""
+    x = logits.astype(jnp.float32)
+    return (x - jnp.max(x, axis=-1, keepdims=True)) / temperature
+
+
 def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Float32 logits [..., V] after temperature, top-k and top-p (removed tokens = -inf)."""
-    x = logits.astype(jnp.float32) / cfg.temperature
+    x = scaled_logits(logits, cfg.temperature)
     if 0 < cfg.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)

@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ddtree_jax.sampling import check_float32_positive, scaled_logits
+
 MAX_BUDGET = 1024
 TOP_K_CHUNK = 256
 """`top_k` over more than 2 x this many entries runs in two stages (0: one `lax.top_k`)."""
@@ -84,6 +86,7 @@ def check_tree_temperature(temperature) -> float:
         )
     if not (np.isfinite(temperature) and temperature > 0):
         raise ValueError(f"tree temperature must be finite and > 0, got {temperature!r}")
+    check_float32_positive("tree temperature", temperature, zero_means="a larger one")
     return float(temperature)
 
 
@@ -355,7 +358,7 @@ def build_ddtree(
     with jax.named_scope("build_tree"):
         scaled = draft_logits.astype(jnp.float32)
         if temperature != 1.0:
-            scaled = scaled / temperature
+            scaled = scaled_logits(scaled, temperature)
         logp = jax.nn.log_softmax(scaled, axis=-1)
         top_lp, top_tok = top_k(logp, k)  # [B, D, K], ranks sorted descending
         if paths is not None:

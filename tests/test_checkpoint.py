@@ -64,6 +64,43 @@ def test_extra_weight_is_named(params, tmp_path):
         checkpoint.load_target(tmp_path)
 
 
+def test_empty_tensors_are_let_be(params, tmp_path):
+    """transformers saves a config's zero-width layers (shared experts of n_shared_experts = 0)
+    as [H, 0] tensors: they hold nothing, so they are not refused as unexpected."""
+    checkpoint.save_hf(params, tmp_path)
+    empty = "model.layers.1.mlp.shared_experts_extra.down_proj.weight"
+    rewrite(tmp_path, lambda t: t.update({empty: np.zeros((params.config.hidden_size, 0), np.float32)}))
+    assert same(checkpoint.load_target(tmp_path), params)
+    rewrite(tmp_path, lambda t: t.update({empty: np.zeros((params.config.hidden_size, 1), np.float32)}))
+    with pytest.raises(CheckpointError, match=r"1 unexpected weight.*shared_experts_extra"):
+        checkpoint.load_target(tmp_path)
+
+
+def test_fp8_tensors_are_named(params, tmp_path):
+    """A tensor numpy has no dtype for (F8_E4M3, as DeepSeek-V3 ships its weights) is refused by
+    name before it is read; it used to end in numpy's AttributeError."""
+    checkpoint.save_hf(params, tmp_path)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    path = tmp_path / "model.safetensors"
+    tensors = safetensors.numpy.load_file(path)
+    shape = tensors.pop(name).shape
+    safetensors.numpy.save_file(tensors, path)
+    # Appended by hand: the header names the dtype; one byte an element.
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
+    data = path.read_bytes()[8 + header_len :]
+    header[name] = {
+        "dtype": "F8_E4M3",
+        "shape": list(shape),
+        "data_offsets": [len(data), len(data) + int(np.prod(shape))],
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data + bytes(int(np.prod(shape))))
+    with pytest.raises(CheckpointError, match=rf"'{name}' in .* is stored as F8_E4M3, which this engine does not read"):
+        checkpoint.load_target(tmp_path)
+
+
 def test_mtp_layer_is_ignored(params, tmp_path):
     checkpoint.save_hf(params, tmp_path)
     n = params.config.num_hidden_layers

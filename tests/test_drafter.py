@@ -488,6 +488,11 @@ def test_default_target_layer_ids(layers, targets, want):
         ({"block_size": 1}, "block_size"),
         ({"num_key_value_heads": 5}, "divisible by num_key_value_heads=5"),
         ({"head_dim": 127}, "head_dim"),
+        # 0 is not "absent" (it used to read as the default: num_attention_heads, hidden / heads).
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive int, got 0"),
+        ({"head_dim": 0}, "head_dim must be a positive int, got 0"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a number, got 'x'"),
+        ({"rms_norm_eps": None}, "rms_norm_eps must be a number, got None"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"attention_bias": True}, "attention_bias"),

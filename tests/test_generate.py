@@ -9,7 +9,7 @@ import pytest
 
 from ddtree_jax import model
 from ddtree_jax.generate import generate
-from ddtree_jax.sampling import SamplingConfig, filtered_logits
+from ddtree_jax.sampling import SamplingConfig, choose, filtered_logits
 from tests.conftest import random_target, tiny
 
 
@@ -172,6 +172,24 @@ def test_top_k_top_p_filters():
     assert np.isfinite(np.asarray(shuffled)).tolist() == [[False, False, True, True, True]]
 
 
+def test_small_temperatures_sample_the_argmax():
+    """Logits less their row maximum before the division: at 1e-37 logits of 100 used to
+    overflow to inf (NaN probabilities, junk tokens); the smallest float32 normal still samples
+    only the argmax, a tie shared."""
+    logits = jnp.asarray([[100.0, 99.0, -50.0, 100.0 - 1e-5], [3.0, 3.0, 1.0, -jnp.inf]])
+    for t in (1e-37, float(np.finfo(np.float32).tiny)):
+        x = np.asarray(filtered_logits(logits, SamplingConfig(temperature=t)))
+        assert not np.isnan(x).any() and x.max(axis=-1).tolist() == [0, 0] and x[1, 3] == -np.inf, t
+        cfg = SamplingConfig(temperature=t)
+        draws = jax.vmap(lambda k, cfg=cfg: choose(logits, k, cfg))(jax.random.split(jax.random.key(0), 64))
+        assert set(np.asarray(draws[:, 0]).tolist()) == {0} and set(np.asarray(draws[:, 1]).tolist()) == {0, 1}
+    # The tree's temperature takes the same path: 1e-37 gives the drafter's argmax as the one-node tree.
+    from ddtree_jax import tree
+
+    one = tree.build_ddtree(logits[None, :1], jnp.asarray([7], jnp.int32), 1, temperature=1e-37)
+    assert np.asarray(one.tokens).tolist() == [[7, 0]]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -202,6 +220,8 @@ def test_top_k_top_p_filters():
         (dict(prompts=[[1]], temperature="1"), TypeError, "temperature must be a number, got '1'"),
         (dict(prompts=[[1]], temperature=True), TypeError, "temperature must be a number, got True"),
         (dict(prompts=[[1]], temperature=float("nan")), ValueError, "temperature must be a finite number"),
+        (dict(prompts=[[1]], temperature=1e-300), ValueError, "temperature 1e-300 is below float32's smallest normal"),
+        (dict(prompts=[[1]], tree_temperature=1e-39), ValueError, "tree temperature 1e-39 is below float32's"),
         (dict(prompts=[[1]], top_p=True), TypeError, "top_p must be a number, got True"),
         (dict(prompts=[[1]], cache_capacity=100.0), TypeError, "cache_capacity must be an int, got 100.0"),
         (dict(prompts=[[1]], cache_dtype="int8"), ValueError, "cache_dtype='int8' is not supported"),

@@ -61,6 +61,40 @@ def test_quantized_checkpoint_round_trips_and_says_so(quantized, tmp_path):
     assert same(back, quantized)
 
 
+def test_scales_stored_wider_than_bf16_load_exactly_in_float32(quantized, tmp_path):
+    """compressed-tensors writes an f32 model's group scales in f32. Loaded in float32 they stay
+    f32 (rounded to bf16 they moved the logits by ~4e-3); in bf16 they are rounded like every
+    other weight; the W4A16 kernel, which reads bf16 scales, refuses f32 ones by name."""
+    from ddtree_jax.pallas.moe.w4a16 import check_w4a16
+
+    checkpoint.save_hf(quantized, tmp_path)
+    wider = np.float32(1 + 2**-12)  # no bf16 value: 8 bits of mantissa
+
+    def widen(t):
+        for k in [k for k in t if k.endswith(".weight_scale")]:
+            t[k] = np.asarray(t[k], np.float32) * wider
+
+    rewrite(tmp_path, widen)
+    f32 = checkpoint.load_target(tmp_path, dtype="float32")
+    gate = f32.moe_layers.mlp.gate
+    assert gate.scale.dtype == np.float32
+    want = np.asarray(quantized.moe_layers.mlp.gate.scale, np.float32) * wider
+    np.testing.assert_array_equal(np.asarray(gate.scale), want)
+    assert np.array_equal(gate.packed, quantized.moe_layers.mlp.gate.packed)
+    g, u, d = (jax.tree.map(lambda a: a[0], getattr(f32.moe_layers.mlp, n)) for n in ("gate", "up", "down"))
+    dense = [x.dequantize() for x in (g, u, d)]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, quantized.config.hidden_size)), jnp.float32)
+    idx, w = jnp.asarray([[0, 1], [2, 3], [1, 4]], jnp.int32), jnp.full((3, 2), 0.5, jnp.float32)
+    np.testing.assert_allclose(
+        moe_experts_xla(x, idx, w, g, u, d), moe_experts_reference(x, idx, w, *dense), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="needs bfloat16 group scales, got float32"):
+        check_w4a16(g, d)
+    bf16 = checkpoint.load_target(tmp_path, dtype="bfloat16")
+    assert bf16.moe_layers.mlp.gate.scale.dtype == jnp.bfloat16
+    assert not np.array_equal(np.asarray(bf16.moe_layers.mlp.gate.scale, np.float32), want)
+
+
 def test_int4_logits_are_those_of_the_dequantized_model(quantized, monkeypatch):
     """Exact numerics: the INT4 model is its dequantized dense model, token for token and bit for bit."""
     from ddtree_jax.pallas.moe import reference
@@ -279,6 +313,10 @@ def test_full_size_int4_kimi_k2_is_about_the_size_moonshot_ships():
         (
             lambda qc: qc["config_groups"]["group_0"].update(input_activations={"num_bits": 8}),
             r"input_activations must be null",
+        ),
+        (
+            lambda qc: qc["config_groups"]["group_0"].update(output_activations={"num_bits": 8}),
+            r"output_activations must be null",
         ),
         (lambda qc: qc["config_groups"].update(group_1={}), "exactly one scheme"),
     ],

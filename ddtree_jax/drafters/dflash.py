@@ -34,7 +34,7 @@ from flax import struct
 
 from ddtree_jax import hf, sharding, weights
 from ddtree_jax.cache import KVCache
-from ddtree_jax.config import ConfigError, TargetConfig, YarnConfig, parse_rope, read_json, yarn_hf_dict
+from ddtree_jax.config import ConfigError, TargetConfig, YarnConfig, _number, parse_rope, read_json, yarn_hf_dict
 from ddtree_jax.layers import (
     Unstacked,
     apply_rope,
@@ -84,6 +84,14 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+def _default_head_dim(hf: dict[str, Any], heads) -> int | None:
+    """hidden_size // num_attention_heads, or None unless both are positive ints (the config's
+    checks then name the bad one)."""
+    hidden = hf["hidden_size"]
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads))
+    return hidden // heads if ints else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,14 +312,15 @@ class DrafterConfig:
             hidden_size=hf["hidden_size"],
             num_hidden_layers=n,
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            # Absent or null: as Qwen3Config (0 is refused below, not read as absent).
+            num_key_value_heads=heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
+            head_dim=hf.get("head_dim") if hf.get("head_dim") is not None else _default_head_dim(hf, heads),
             intermediate_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             block_size=value("block_size", 16),
             target_layer_ids=tuple(target_layer_ids),
             mask_token_id=value("mask_token_id"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=yarn,
             num_target_layers=num_target_layers,

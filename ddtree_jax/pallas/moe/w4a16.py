@@ -343,8 +343,10 @@ def _grouped_matmul_t_ws(body_out, x, weights, block_expert, layer, tiles, inter
 
 
 def check_w4a16(gate: QuantizedArray, down: QuantizedArray, tiles: W4A16Tiles = W4A16Tiles()) -> None:
-    """Raises ValueError unless the kernel takes experts of these shapes with these tiles."""
+    """Raises ValueError unless the kernel takes experts of these shapes and scales with these tiles."""
     for name, q in (("gate / up", gate), ("down", down)):
+        if q.scale.dtype != jnp.bfloat16:
+            raise ValueError(f"moe_experts_w4a16: {name} needs bfloat16 group scales, got {q.scale.dtype}")
         *_, n_groups, n_out, g = q.packed.shape
         if n_out % tiles.program_rows or g % 32:
             per = f" x consumers={tiles.consumers}" if tiles.consumers else ""
