@@ -123,6 +123,24 @@ def save_checkpoint(params: TargetParams, path: str | os.PathLike) -> None:
         ckptr.save(os.path.join(path, "params"), serialization.to_state_dict(params), force=True)
 
 
+def _wide_scales_as_stored(target, metadata):
+    """The state dict of abstract arrays `target` with every bf16 INT4 `scale` that the orbax
+    checkpoint (its `metadata`) holds in f16 / f32 / f64 made float32."""
+    stored = {
+        jax.tree_util.keystr(p): getattr(leaf, "dtype", None)
+        for p, leaf in jax.tree_util.tree_leaves_with_path(getattr(metadata, "item_metadata", metadata))
+    }
+
+    def widen(p, leaf):
+        key = jax.tree_util.keystr(p)
+        wide = stored.get(key) in (jnp.float16, jnp.float32, jnp.float64)
+        if key.endswith("['scale']") and leaf.dtype == jnp.bfloat16 and wide:
+            return jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(widen, target)
+
+
 def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_finite: bool = True) -> TargetParams:
     """Restores what `save_checkpoint` wrote.
 
@@ -147,6 +165,8 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_fini
     target = serialization.to_state_dict(template)
     try:
         with ocp.StandardCheckpointer() as ckptr:
+            if jnp.dtype(dtype) == jnp.float32:  # as load_target: INT4 scales stored wider stay f32
+                target = _wide_scales_as_stored(target, ckptr.metadata(os.path.join(path, "params")))
             restored = ckptr.restore(os.path.join(path, "params"), target)
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: stored params do not match its config.json ({e})") from None
