@@ -434,7 +434,12 @@ def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnCon
         return theta, None
     if rope_type != "yarn":
         raise ConfigError(f"rope type {rope_type!r} is not supported (only default and yarn)")
-    orig = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    # A top-level original_max_position_embeddings wins over the rope dict's: HF's models
+    # standardize their rope parameters again once built, and then take it (transformers 5.17).
+    orig = hf.get(
+        "original_max_position_embeddings",
+        rope.get("original_max_position_embeddings", hf.get("max_position_embeddings")),
+    )
     factor = rope.get("factor")
     if factor is None:  # HF's default: the context extension max / original
         longest = hf.get("max_position_embeddings")

@@ -86,7 +86,8 @@ class GenerateResult:
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length (accepted drafts + bonus) per round over all rows."""
+        """Mean acceptance length (accepted drafts + bonus) per round over all rows; 0.0 when no
+        round ran (every row ended at its first token, which the prefill chooses)."""
         rounds, accept = jax.device_get((self.rounds, self.accept_lengths))
         return float(accept.sum() / max(int(rounds.sum()), 1))
 

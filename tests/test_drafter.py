@@ -519,6 +519,25 @@ def test_config_validation(change, match):
         DrafterConfig.from_hf_config({**PUBLISHED, **change})
 
 
+def test_keys_left_out_read_as_qwen3_configs_defaults():
+    """The published model reads a config.json through transformers' Qwen3Config: a key left out
+    takes its default there (rope theta 10 000, head_dim 128, not hidden / heads), a softcap of 0
+    or less caps nothing, and a top-level original_max_position_embeddings beats the yarn dict's
+    (found against the published model, session 39)."""
+    left_out = {k: v for k, v in PUBLISHED.items() if k not in ("rope_theta", "head_dim", "max_position_embeddings")}
+    cfg = DrafterConfig.from_hf_config({**left_out, "hidden_size": 1024})
+    assert (cfg.rope_theta, cfg.head_dim, cfg.max_position_embeddings) == (10000.0, 128, 32768)
+    for cap in (0, -1.0):
+        assert DrafterConfig.from_hf_config({**PUBLISHED, "final_logit_softcapping": cap}) == PUBLISHED_CFG
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = DrafterConfig.from_hf_config({**PUBLISHED, "rope_scaling": yarn, "original_max_position_embeddings": 16})
+    assert cfg.rope_scaling.original_max_position_embeddings == 16
+    assert (
+        DrafterConfig.from_hf_config({**PUBLISHED, "rope_scaling": yarn}).rope_scaling.original_max_position_embeddings
+        == 64
+    )
+
+
 def test_check_compatible():
     target = tiny()
     cfg = dflash.drafter_config_for(target, num_hidden_layers=2)

@@ -59,6 +59,9 @@ CONFIGS = {
     ),
 }
 LEFT_OUT = {"hf_defaults_left_out": ("first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor")}
+# Added to its config.json: a top-level original_max_position_embeddings, which HF's model takes
+# over the rope dict's 32 (it standardizes the rope parameters again once built).
+ADDED = {"kimi_like_yarn_mscale_dense2_groups4": {"original_max_position_embeddings": 16}}
 PROMPTS = [[3, 5, 7, 9, 11, 13, 17, 19], [42], [200, 1, 99, 7, 7, 7, 255, 0, 12, 31, 64]]
 
 
@@ -83,10 +86,11 @@ def parity(tmp_path_factory):
         d = root / name
         # One case per expert layout and file layout HF and we both read.
         checkpoint.save_hf(params, d, fused_experts=(i % 2 == 1), max_shard_bytes=60_000 if i == 2 else None)
-        if name in LEFT_OUT:
+        if name in LEFT_OUT or name in ADDED:
             hf = json.loads((d / "config.json").read_text())
-            for key in LEFT_OUT[name]:
+            for key in LEFT_OUT.get(name, ()):
                 del hf[key]
+            hf.update(ADDED.get(name, {}))
             (d / "config.json").write_text(json.dumps(hf))
         targets[name] = d
         cases.append({"dir": str(d), "prompts": PROMPTS, "max_new_tokens": MAX_NEW})
@@ -97,6 +101,8 @@ def parity(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_hf(parity, name):
     params, ref = parity[name]
+    if name in ADDED:
+        assert params.config.rope_scaling.original_max_position_embeddings == 16
     for i, prompt in enumerate(PROMPTS):
         got, _ = full_forward(params, prompt)  # one jitted causal forward, right-padded: one compile
         want = ref[f"logits_{i}"]

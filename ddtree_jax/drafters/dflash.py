@@ -34,7 +34,16 @@ from flax import struct
 
 from ddtree_jax import hf, sharding, weights
 from ddtree_jax.cache import KVCache
-from ddtree_jax.config import ConfigError, TargetConfig, YarnConfig, _number, parse_rope, read_json, yarn_hf_dict
+from ddtree_jax.config import (
+    ConfigError,
+    TargetConfig,
+    YarnConfig,
+    _is_number,
+    _number,
+    parse_rope,
+    read_json,
+    yarn_hf_dict,
+)
 from ddtree_jax.layers import (
     Unstacked,
     apply_rope,
@@ -72,6 +81,9 @@ __all__ = [
 
 # dflash_config / top-level keys of later DFlash variants that change the math, with
 # the value that leaves it unchanged.
+# transformers 5.17's Qwen3Config (the DFlash drafter's layout) for keys a config.json leaves out:
+# the published model reads such a config with these.
+QWEN3_DEFAULTS = {"rope_theta": 10000.0, "head_dim": 128, "max_position_embeddings": 32768}
 _NEUTRAL_EXTRAS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 
 
@@ -84,14 +96,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
-
-
-def _default_head_dim(hf: dict[str, Any], heads) -> int | None:
-    """hidden_size // num_attention_heads, or None unless both are positive ints (the config's
-    checks then name the bad one)."""
-    hidden = hf["hidden_size"]
-    ints = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads))
-    return hidden // heads if ints else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +266,7 @@ class DrafterConfig:
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
         if hf.get("attention_bias", False):
             raise ConfigError("attention_bias=True is not supported")
-        rope_theta, yarn = parse_rope(hf, 1e6)
+        rope_theta, yarn = parse_rope(hf, QWEN3_DEFAULTS["rope_theta"])
         dflash = hf.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ConfigError(f"dflash_config must be a JSON object, got {dflash!r}")
@@ -277,7 +281,10 @@ class DrafterConfig:
             return dflash.get(name, hf.get(name, default))
 
         for name, neutral in _NEUTRAL_EXTRAS.items():
-            if value(name, neutral) != neutral:
+            v = value(name, neutral)
+            # The published model caps the logits only at a cap > 0: 0 or less means none.
+            uncapped = name == "final_logit_softcapping" and _is_number(v) and v <= 0
+            if v != neutral and not uncapped:
                 raise ConfigError(f"{name}={value(name)!r} is not supported (only {neutral!r})")
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         missing = [k for k in required if k not in hf]
@@ -314,7 +321,7 @@ class DrafterConfig:
             num_attention_heads=heads,
             # Absent or null: as Qwen3Config (0 is refused below, not read as absent).
             num_key_value_heads=heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
-            head_dim=hf.get("head_dim") if hf.get("head_dim") is not None else _default_head_dim(hf, heads),
+            head_dim=hf.get("head_dim", QWEN3_DEFAULTS["head_dim"]),
             intermediate_size=hf["intermediate_size"],
             vocab_size=hf["vocab_size"],
             block_size=value("block_size", 16),
@@ -324,7 +331,7 @@ class DrafterConfig:
             rope_theta=rope_theta,
             rope_scaling=yarn,
             num_target_layers=num_target_layers,
-            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            max_position_embeddings=hf.get("max_position_embeddings", QWEN3_DEFAULTS["max_position_embeddings"]),
             layer_types=layer_types,
             sliding_window=window,
             is_causal=hf.get("is_causal"),
