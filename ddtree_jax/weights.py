@@ -154,9 +154,19 @@ def axes(decl):
 
 
 def cast(decl, params, dtype):
-    """params with every unquantized, non-fixed-dtype weight cast to `dtype`."""
+    """params with every unquantized, non-fixed-dtype weight cast to `dtype`. Quantized values
+    stay; their scales, where held wider than declared (f32, as a float32 load keeps f32-stored
+    ones), take the declared dtype when `dtype` is narrower than float32."""
     dtype = check_dtype(dtype)
-    return _map(lambda w, a: a if w.quant is not None else a.astype(w.dtype_for(dtype)), decl, params)
+
+    def one(w, a):
+        if w.quant is None:
+            return a.astype(w.dtype_for(dtype))
+        if dtype != jnp.float32 and a.scale.dtype != jnp.dtype(w.quant.scale_dtype):
+            return a.replace(scale=a.scale.astype(w.quant.scale_dtype))
+        return a
+
+    return _map(one, decl, params)
 
 
 def leaves(decl) -> list[Weight]:

@@ -90,6 +90,8 @@ def test_scales_stored_wider_than_bf16_load_exactly_in_float32(quantized, tmp_pa
     )
     with pytest.raises(ValueError, match="needs bfloat16 group scales, got float32"):
         check_w4a16(g, d)
+    assert model.cast_params(f32, "bfloat16").moe_layers.mlp.gate.scale.dtype == jnp.bfloat16
+    assert model.cast_params(f32, "float32").moe_layers.mlp.gate.scale.dtype == jnp.float32
     checkpoint.save_checkpoint(f32, tmp_path / "orbax")  # restored as loaded: f32 in float32
     assert same(checkpoint.restore_checkpoint(tmp_path / "orbax"), f32)
     restored = checkpoint.restore_checkpoint(tmp_path / "orbax", dtype="bfloat16")
