@@ -69,6 +69,12 @@ def load_target(
         skip=_not_read,
         return_reader=True,
     )
+    if params.config.tie_word_embeddings and reader.has("lm_head.weight"):
+        warnings.warn(
+            f"{path}: config.json ties the output head to the embedding (tie_word_embeddings), so the stored "
+            "lm_head.weight is not read",
+            stacklevel=2,
+        )
     vision = [k for k in reader.where if re.match(VISION, k)]
     if vision:
         warnings.warn(
@@ -123,6 +129,23 @@ def save_checkpoint(params: TargetParams, path: str | os.PathLike) -> None:
         ckptr.save(os.path.join(path, "params"), serialization.to_state_dict(params), force=True)
 
 
+def _stored_keys(metadata) -> list[str]:
+    tree = getattr(metadata, "item_metadata", metadata)
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _check_nothing_extra(target, metadata, path) -> None:
+    """CheckpointError naming stored arrays the config's params have no place for (restoring
+    into the template would drop them: an lm_head under a config.json changed to tie it)."""
+    wanted = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)}
+    extra = [k for k in _stored_keys(metadata) if k not in wanted]
+    if extra:
+        raise CheckpointError(
+            f"{path}: stored arrays {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''} have no place in the "
+            "params its config.json describes (was config.json changed after saving, e.g. tie_word_embeddings?)"
+        )
+
+
 def _wide_scales_as_stored(target, metadata):
     """The state dict of abstract arrays `target` with every bf16 INT4 `scale` that the orbax
     checkpoint (its `metadata`) holds in f16 / f32 / f64 made float32."""
@@ -165,11 +188,18 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_fini
     target = serialization.to_state_dict(template)
     try:
         with ocp.StandardCheckpointer() as ckptr:
+            metadata = ckptr.metadata(os.path.join(path, "params"))
+            _check_nothing_extra(target, metadata, path)
             if jnp.dtype(dtype) == jnp.float32:  # as load_target: INT4 scales stored wider stay f32
-                target = _wide_scales_as_stored(target, ckptr.metadata(os.path.join(path, "params")))
+                target = _wide_scales_as_stored(target, metadata)
             restored = ckptr.restore(os.path.join(path, "params"), target)
+    except CheckpointError:
+        raise
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: stored params do not match its config.json ({e})") from None
+    except Exception as e:  # orbax / TensorStore raise bare Exceptions for unreadable array files
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: its stored arrays cannot be read (truncated or corrupt? {first})") from None
     params = serialization.from_state_dict(template, restored)
     if check_finite:
         for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddtree_jax.config import ConfigError
+from ddtree_jax.quant import PACK
 
 # Modules kept dense, as compressed-tensors `ignore` entries ("re:" marks a regex).
 IGNORE = [
@@ -71,8 +72,11 @@ def expert_group_size(hf: dict[str, Any]) -> int | None:
     if w.get("dynamic", False):
         raise ConfigError(f"{where}.weights.dynamic={w['dynamic']!r} is not supported (only false)")
     group = w.get("group_size")
-    if group != 32:
-        raise ConfigError(f"{where}.weights.group_size={group!r} is not supported (only 32, as Kimi-K2.5 ships)")
+    if not (isinstance(group, int) and not isinstance(group, bool) and group >= PACK and group % PACK == 0):
+        raise ConfigError(
+            f"{where}.weights.group_size={group!r} is not supported (a multiple of {PACK}: 32 as Kimi-K2.5 ships, "
+            "128 as compressed-tensors' W4A16 preset)"
+        )
     return group
 
 

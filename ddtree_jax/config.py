@@ -306,9 +306,19 @@ class TargetConfig:
             raise ConfigError(f"an HF config must be a JSON object, got {type(hf).__name__}")
         group_size = expert_group_size(hf)
         if "text_config" in hf and "hidden_size" not in hf:
-            hf = hf["text_config"]
+            outer, hf = hf, hf["text_config"]
             if not isinstance(hf, dict):
                 raise ConfigError(f"text_config must be a JSON object, got {type(hf).__name__}")
+            top, text = outer.get("tie_word_embeddings"), hf.get("tie_word_embeddings")
+            if top is not None and text is not None and top != text:
+                # transformers' Kimi_K25ForConditionalGeneration ties by the top-level flag, engines
+                # that build the text model from text_config by its own: refused, not guessed.
+                raise ConfigError(
+                    f"tie_word_embeddings is {top!r} at the top level but {text!r} in text_config: readers "
+                    "disagree on which one counts (transformers takes the top level); make them equal"
+                )
+            if text is None and top is not None:
+                hf = {**hf, "tie_word_embeddings": top}
         model_type = hf.get("model_type", "deepseek_v3")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not supported (want one of {SUPPORTED_MODEL_TYPES})")
@@ -475,6 +485,8 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json at {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (a JSON file): {e}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(hf).__name__}")
     return hf

@@ -223,7 +223,16 @@ class Tokenizer:
         return 3
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        """Token ids of `text`, with bos prepended and/or eos appended when asked."""
+        """Token ids of `text`, with bos prepended and/or eos appended when asked.
+
+        Raises:
+          ValueError: `text` holds lone surrogates (bytes that were not UTF-8, as Python hands
+            them over from a command line).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text is not valid UTF-8 (position {e.start}: {text[e.start : e.end]!r})") from None
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 

@@ -175,6 +175,11 @@ def _is_axes(x) -> bool:
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     """A ("data", "model") mesh; `model` defaults to all devices left after `data`."""
     devices = np.asarray(jax.devices() if devices is None else devices)
+    if devices.size == 0:
+        raise ValueError("make_mesh needs at least one device, got an empty list")
+    for name, size in (("data", data), ("model", model)):
+        if size is not None and not (isinstance(size, (int, np.integer)) and not isinstance(size, bool) and size >= 1):
+            raise ValueError(f"mesh {name} size must be an int >= 1, got {size!r}")
     if model is None:
         model = devices.size // data
     if data * model != devices.size:

@@ -101,6 +101,29 @@ def test_fp8_tensors_are_named(params, tmp_path):
         checkpoint.load_target(tmp_path)
 
 
+def test_orbax_arrays_unreadable_or_unplaced_are_named(params, tmp_path):
+    """A truncated array file was a bare Exception from TensorStore (a traceback from the CLI);
+    a config.json changed to tie the head after saving restored and dropped the stored lm_head."""
+    checkpoint.save_checkpoint(params, tmp_path / "ck")
+    biggest = max((p for p in (tmp_path / "ck").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="its stored arrays cannot be read"):
+        checkpoint.restore_checkpoint(tmp_path / "ck")
+    checkpoint.save_checkpoint(params, tmp_path / "tie")
+    cfg = json.loads((tmp_path / "tie" / "config.json").read_text())
+    (tmp_path / "tie" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(CheckpointError, match=r"stored arrays \['lm_head'\] have no place"):
+        checkpoint.restore_checkpoint(tmp_path / "tie")
+
+
+def test_a_tied_config_says_a_stored_head_is_not_read(params, tmp_path):
+    checkpoint.save_hf(params, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.warns(UserWarning, match="the stored lm_head.weight is not read"):
+        assert checkpoint.load_target(tmp_path).lm_head is None
+
+
 def test_mtp_layer_is_ignored(params, tmp_path):
     checkpoint.save_hf(params, tmp_path)
     n = params.config.num_hidden_layers

@@ -120,6 +120,21 @@ def test_transformers5_rope_parameters():
 def test_kimi_k25_text_config_unwrapped():
     wrapped = {"model_type": "kimi_k25", "text_config": config.KIMI_K2.to_hf_config()}
     assert TargetConfig.from_hf_config(wrapped) == config.KIMI_K2
+    # Tying: transformers' wrapper reads the top-level flag, text-model engines text_config's. One
+    # given is taken; two that disagree are refused (the text copy's True used to win silently,
+    # dropping a stored lm_head that transformers used).
+    text = {k: v for k, v in config.KIMI_K2.to_hf_config().items() if k != "tie_word_embeddings"}
+    tied = TargetConfig.from_hf_config({"text_config": text, "tie_word_embeddings": True})
+    assert tied.tie_word_embeddings and not TargetConfig.from_hf_config({"text_config": text}).tie_word_embeddings
+    both = {"tie_word_embeddings": False, "text_config": {**text, "tie_word_embeddings": True}}
+    with pytest.raises(ConfigError, match="tie_word_embeddings is False at the top level but True in text_config"):
+        TargetConfig.from_hf_config(both)
+
+
+def test_a_binary_config_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\x9a\xff\x00{")
+    with pytest.raises(ConfigError, match=r"config\.json is not UTF-8 text"):
+        TargetConfig.from_json_file(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,13 @@ def test_round_trip_real_files(tok, non_ascii_file):
     assert not _read(non_ascii_file).isascii()
 
 
+def test_text_that_was_not_utf8_is_named(tok):
+    """A command line's non-UTF-8 bytes reach Python as lone surrogates, which the tokenizers
+    library refused with "TextInputSequence must be str"."""
+    with pytest.raises(ValueError, match=r"not valid UTF-8 \(position 6: '\\udcff'\)"):
+        tok.encode(b"def f(\xff):".decode("utf-8", "surrogateescape"))
+
+
 @pytest.mark.parametrize("text", TRICKY)
 def test_round_trip_tricky(tok, text):
     ids = tok.encode(text)

@@ -305,8 +305,8 @@ def test_full_size_int4_kimi_k2_is_about_the_size_moonshot_ships():
         (lambda qc: qc.update(quant_method="fp8"), r"quantization_config\.quant_method='fp8' is not supported"),
         (lambda qc: qc.update(format="int-quantized"), r"quantization_config\.format='int-quantized'"),
         (
-            lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=128),
-            r"config_groups\.group_0\.weights\.group_size=128 is not supported",
+            lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=12),
+            r"config_groups\.group_0\.weights\.group_size=12 is not supported \(a multiple of 8",
         ),
         (
             lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8),
@@ -332,6 +332,21 @@ def test_unsupported_quantization_configs_name_the_field(edit, message):
     edit(qc)
     with pytest.raises(ConfigError, match=message):
         compressed.expert_group_size({"quantization_config": qc})
+
+
+def test_other_group_sizes_load_back(tmp_path):
+    """Groups other than K2.5's 32 (compressed-tensors' W4A16 preset uses 128) save and load,
+    HF and orbax alike (they used to save, then be refused on load); "auto" keeps them on XLA."""
+    from ddtree_jax.pallas.moe.api import _mosaic_takes
+
+    assert compressed.expert_group_size({"quantization_config": compressed.quantization_config(128)}) == 128
+    q16 = model.quantize_experts(random_target(tiny(), seed=5), group_size=16)
+    checkpoint.save_hf(q16, tmp_path / "hf")
+    assert same(checkpoint.load_target(tmp_path / "hf"), q16)
+    checkpoint.save_checkpoint(q16, tmp_path / "orbax")
+    assert same(checkpoint.restore_checkpoint(tmp_path / "orbax"), q16)
+    g, u, d = (jax.tree.map(lambda a: a[0], getattr(q16.moe_layers.mlp, n)) for n in ("gate", "up", "down"))
+    assert g.group_size == 16 and not _mosaic_takes(g, u, d)
 
 
 def test_bad_quantized_tensors_are_named(quantized, tmp_path):

@@ -360,6 +360,11 @@ def test_spec_keeps_undividable_dims_replicated():
     assert sharding.spec_for(q, (2, 1, 8, 4), fake) == PartitionSpec(("data",), None, "model", None)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(data=3, model=5)
+    for bad, match in ((dict(data=0), "data size must be an int >= 1, got 0"), (dict(data=1, model=-1), "model size")):
+        with pytest.raises(ValueError, match=match):
+            sharding.make_mesh(**bad)
+    with pytest.raises(ValueError, match="at least one device"):
+        sharding.make_mesh(devices=[])
 
 
 def test_drafter_axes_fit():

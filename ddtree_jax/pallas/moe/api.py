@@ -40,7 +40,7 @@ def _mosaic_takes(gate, up, down, activations=jnp.bfloat16) -> bool:
     if nbytes((gate, up, down)) < AUTO_MIN_BYTES:
         return False
     if isinstance(gate, QuantizedArray):
-        if activations != jnp.bfloat16:
+        if activations != jnp.bfloat16 or gate.group_size != 32:  # other groups: not run compiled yet
             return False
         try:
             check_w4a16(gate, down)
