@@ -226,9 +226,12 @@ class Tokenizer:
         """Token ids of `text`, with bos prepended and/or eos appended when asked.
 
         Raises:
+          TypeError: `text` is not a str.
           ValueError: `text` holds lone surrogates (bytes that were not UTF-8, as Python hands
             them over from a command line).
         """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:

@@ -103,6 +103,8 @@ def test_text_that_was_not_utf8_is_named(tok):
     library refused with "TextInputSequence must be str"."""
     with pytest.raises(ValueError, match=r"not valid UTF-8 \(position 6: '\\udcff'\)"):
         tok.encode(b"def f(\xff):".decode("utf-8", "surrogateescape"))
+    with pytest.raises(TypeError, match="text must be a str, got bytes"):
+        tok.encode(b"def f():")
 
 
 @pytest.mark.parametrize("text", TRICKY)
