@@ -10,6 +10,7 @@ import json
 import os
 import re
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,16 +130,20 @@ def save_checkpoint(params: TargetParams, path: str | os.PathLike) -> None:
         ckptr.save(os.path.join(path, "params"), serialization.to_state_dict(params), force=True)
 
 
-def _stored_keys(metadata) -> list[str]:
+def _stored_dtypes(metadata) -> dict[str, Any]:
+    """Each array an orbax checkpoint's `metadata` lists, by key path, with its stored dtype."""
     tree = getattr(metadata, "item_metadata", metadata)
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return {
+        jax.tree_util.keystr(p): getattr(leaf, "dtype", None) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
 
 
-def _check_nothing_extra(target, metadata, path) -> None:
-    """CheckpointError naming stored arrays the config's params have no place for (restoring
-    into the template would drop them: an lm_head under a config.json changed to tie it)."""
+def _check_nothing_extra(target, stored: dict[str, Any], path) -> None:
+    """CheckpointError naming stored arrays (`_stored_dtypes`) the config's params have no place
+    for (restoring into the template would drop them: an lm_head under a config.json changed to
+    tie it)."""
     wanted = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)}
-    extra = [k for k in _stored_keys(metadata) if k not in wanted]
+    extra = [k for k in stored if k not in wanted]
     if extra:
         raise CheckpointError(
             f"{path}: stored arrays {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''} have no place in the "
@@ -146,13 +151,9 @@ def _check_nothing_extra(target, metadata, path) -> None:
         )
 
 
-def _wide_scales_as_stored(target, metadata):
+def _wide_scales_as_stored(target, stored: dict[str, Any]):
     """The state dict of abstract arrays `target` with every bf16 INT4 `scale` that the orbax
-    checkpoint (its `metadata`) holds in f16 / f32 / f64 made float32."""
-    stored = {
-        jax.tree_util.keystr(p): getattr(leaf, "dtype", None)
-        for p, leaf in jax.tree_util.tree_leaves_with_path(getattr(metadata, "item_metadata", metadata))
-    }
+    checkpoint holds (`_stored_dtypes`) in f16 / f32 / f64 made float32."""
 
     def widen(p, leaf):
         key = jax.tree_util.keystr(p)
@@ -188,10 +189,10 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_fini
     target = serialization.to_state_dict(template)
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            metadata = ckptr.metadata(os.path.join(path, "params"))
-            _check_nothing_extra(target, metadata, path)
+            stored = _stored_dtypes(ckptr.metadata(os.path.join(path, "params")))
+            _check_nothing_extra(target, stored, path)
             if jnp.dtype(dtype) == jnp.float32:  # as load_target: INT4 scales stored wider stay f32
-                target = _wide_scales_as_stored(target, metadata)
+                target = _wide_scales_as_stored(target, stored)
             restored = ckptr.restore(os.path.join(path, "params"), target)
     except CheckpointError:
         raise

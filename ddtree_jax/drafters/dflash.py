@@ -79,12 +79,17 @@ __all__ = [
     "tap_features",
 ]
 
-# dflash_config / top-level keys of later DFlash variants that change the math, with
-# the value that leaves it unchanged.
 # transformers 5.17's Qwen3Config (the DFlash drafter's layout) for keys a config.json leaves out:
 # the published model reads such a config with these.
 QWEN3_DEFAULTS = {"rope_theta": 10000.0, "head_dim": 128, "max_position_embeddings": 32768}
-_NEUTRAL_EXTRAS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+# dflash_config / top-level keys of later DFlash variants that change the math: the values that
+# leave it unchanged (as the message names them) and the test for them. The published model caps
+# the logits only at a cap > 0.
+_NEUTRAL_EXTRAS = {
+    "input_embedding_scale": ("1.0", lambda v: v == 1.0),
+    "output_multiplier": ("1.0", lambda v: v == 1.0),
+    "final_logit_softcapping": ("None or <= 0: no cap", lambda v: v is None or (_is_number(v) and v <= 0)),
+}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -280,12 +285,11 @@ class DrafterConfig:
         def value(name, default=None):
             return dflash.get(name, hf.get(name, default))
 
-        for name, neutral in _NEUTRAL_EXTRAS.items():
-            v = value(name, neutral)
-            # The published model caps the logits only at a cap > 0: 0 or less means none.
-            uncapped = name == "final_logit_softcapping" and _is_number(v) and v <= 0
-            if v != neutral and not uncapped:
-                raise ConfigError(f"{name}={value(name)!r} is not supported (only {neutral!r})")
+        for name, (neutral, is_neutral) in _NEUTRAL_EXTRAS.items():
+            if name in dflash or name in hf:
+                v = value(name)
+                if not is_neutral(v):
+                    raise ConfigError(f"{name}={v!r} is not supported (only {neutral})")
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         missing = [k for k in required if k not in hf]
         if value("mask_token_id") is None:
