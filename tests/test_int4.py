@@ -353,7 +353,7 @@ def test_other_group_sizes_load_back(tmp_path):
 
         return q(7168, 2048), q(7168, 2048), q(2048, 7168)
 
-    assert _mosaic_takes(*shard(32)) and not _mosaic_takes(*shard(16))
+    assert _mosaic_takes(*shard(32)) and not _mosaic_takes(*shard(128))  # 128: the kernel tiles it, untried
 
 
 def test_bad_quantized_tensors_are_named(quantized, tmp_path):
