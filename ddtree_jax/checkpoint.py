@@ -26,6 +26,10 @@ __all__ = ["INDEX_FILE", "CheckpointError", "load_target", "restore_checkpoint",
 
 # Text weights of multimodal wrappers (Kimi-K2.5) live under this prefix.
 PREFIXES = ("language_model.",)
+# transformers saves a Kimi_K25ForConditionalGeneration with its load-time renames reversed,
+# `blocks -> layers` among them, so its decoder layers are stored as `language_model.model.blocks.N`
+# (Moonshot's own files say `layers`); both read the same model.
+RENAMES = ((r"^language_model\.model\.blocks\.(\d+)\.", r"language_model.model.layers.\1."),)
 
 
 def load_target(
@@ -67,6 +71,7 @@ def load_target(
         mesh=mesh,
         rules=rules,
         prefixes=PREFIXES,
+        renames=RENAMES,
         skip=_not_read,
         return_reader=True,
     )
@@ -86,7 +91,8 @@ def load_target(
 
 
 # A multimodal wrapper's (Kimi-K2.5's) vision tower and projector: a text engine skips them.
-VISION = r"^(vision_tower|vision_model|mm_projector|multi_modal_projector)\."
+# transformers' K2.5 saves one projector norm under `model.` (it has no rename for it).
+VISION = r"^(model\.)?(vision_tower|vision_model|mm_projector|multi_modal_projector)\."
 
 
 def _not_read(cfg: TargetConfig) -> str:

@@ -42,14 +42,22 @@ class CheckpointError(ValueError):
 
 
 class Reader:
-    """All tensors of an HF checkpoint directory, by name, with `prefixes` stripped.
+    """All tensors of an HF checkpoint directory, by name, with `renames` applied and `prefixes` stripped.
 
     `get` checks the shape, converts to `dtype` (when given) and, with `check_finite`,
     refuses a tensor holding NaN or Inf, before or after the conversion, naming it.
     `unused()` lists what no `get` asked for.
     """
 
-    def __init__(self, path: str, *, dtype=None, check_finite: bool = True, prefixes: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        path: str,
+        *,
+        dtype=None,
+        check_finite: bool = True,
+        prefixes: tuple[str, ...] = (),
+        renames: tuple[tuple[str, str], ...] = (),
+    ):
         self.path = path
         self.dtype = dtype
         self.check_finite = check_finite
@@ -82,6 +90,8 @@ class Reader:
             self._files[file] = handle
             for raw in names:
                 key = raw
+                for pattern, repl in renames:
+                    key = re.sub(pattern, repl, key)
                 for prefix in prefixes:
                     key = key.removeprefix(prefix)
                 if key in self.where:  # else the last file read would silently win
@@ -338,6 +348,7 @@ def load_declared(
     dtype=None,
     check_finite: bool = True,
     prefixes: tuple[str, ...] = (),
+    renames: tuple[tuple[str, str], ...] = (),
     skip: Callable[[Any], str | None] = lambda cfg: None,
     return_reader: bool = False,
     mesh=None,
@@ -354,6 +365,7 @@ def load_declared(
       dtype: parameter dtype (bf16, f16 or f32); None keeps `dtype_from`'s stored one.
       check_finite: refuse NaN / Inf, as stored or once cast.
       prefixes: name prefixes to strip.
+      renames: (regex, replacement) pairs applied to each stored name, in order, before `prefixes`.
       skip: config -> a regex of stored names that are not read (nor refused as extra).
       return_reader: also return the `Reader` (to report what was skipped).
       mesh: place every tensor straight onto its shards of this mesh (`sharding.RULES`,
@@ -370,7 +382,7 @@ def load_declared(
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{what} directory {path!r} does not exist")
     cfg = read_config(os.path.join(path, "config.json"))
-    reader = Reader(path, dtype=dtype, check_finite=check_finite, prefixes=prefixes)
+    reader = Reader(path, dtype=dtype, check_finite=check_finite, prefixes=prefixes, renames=renames)
     decl = declare(cfg)
     declared = {
         _quantized_names(n)[0] for w in jax.tree.leaves(decl, is_leaf=is_weight) if w.quant for n in _all_names(w)

@@ -1,7 +1,8 @@
 """Logits and greedy decoding vs HF transformers' DeepseekV3ForCausalLM (eager, float32).
 
 Random weights are written with `save_hf`, loaded by HF from safetensors and by
-us with `load_target`, so the loader is under test as well.
+us with `load_target`, so the loader is under test as well. One case is also saved
+by transformers as its Kimi-K2.5 wrapper, and that checkpoint is loaded back.
 """
 
 import json
@@ -12,7 +13,7 @@ import pytest
 from ddtree_jax import checkpoint, model
 from ddtree_jax.config import YarnConfig
 from ddtree_jax.generate import generate
-from tests.conftest import random_target, run_hf_reference, tiny
+from tests.conftest import random_target, run_hf_reference, same, tiny
 from tests.test_model import full_forward
 
 MAX_NEW = 12
@@ -62,6 +63,8 @@ LEFT_OUT = {"hf_defaults_left_out": ("first_k_dense_replace", "n_group", "topk_g
 # Added to its config.json: a top-level original_max_position_embeddings, which HF's model takes
 # over the rope dict's 32 (it standardizes the rope parameters again once built).
 ADDED = {"kimi_like_yarn_mscale_dense2_groups4": {"original_max_position_embeddings": 16}}
+# Saved again by transformers as Kimi_K25ForConditionalGeneration (an untied head, so both are read).
+K25_CASE = "qlora_yarn_group_dense1_interleave"
 PROMPTS = [[3, 5, 7, 9, 11, 13, 17, 19], [42], [200, 1, 99, 7, 7, 7, 255, 0, 12, 31, 64]]
 
 
@@ -94,8 +97,12 @@ def parity(tmp_path_factory):
             (d / "config.json").write_text(json.dumps(hf))
         targets[name] = d
         cases.append({"dir": str(d), "prompts": PROMPTS, "max_new_tokens": MAX_NEW})
+        if name == K25_CASE:
+            cases[-1]["k25_dir"] = str(root / "k25")
     refs = run_hf_reference(cases, str(root))
-    return {name: (checkpoint.load_target(d), ref) for (name, d), ref in zip(targets.items(), refs, strict=True)}
+    out = {name: (checkpoint.load_target(d), ref) for (name, d), ref in zip(targets.items(), refs, strict=True)}
+    out["k25_dir"] = root / "k25"
+    return out
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -108,6 +115,16 @@ def test_logits_match_hf(parity, name):
         want = ref[f"logits_{i}"]
         assert np.abs(want).max() > 1.0, "reference logits too flat to test anything"
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_kimi_k25_saved_by_transformers_loads(parity):
+    """transformers writes K2.5's decoder layers as `language_model.model.blocks.N` (Moonshot: `layers`)."""
+    k25 = parity["k25_dir"]
+    with open(k25 / "config.json") as f:
+        assert json.load(f)["model_type"] == "kimi_k25"
+    with pytest.warns(UserWarning, match="vision tensors"):
+        back = checkpoint.load_target(k25)
+    assert same(back, parity[K25_CASE][0])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
