@@ -13,7 +13,10 @@ For each program (ar, dflash, ddtree at each `--budgets`; one batch-1 prompt of
 - lower: after `compile_cache.clear()`, `ddtree_jax.generate.lower` alone: the Python
   trace and the lowering to StableHLO that `warm_jax` pays before the cache lookup.
 cold - run and warm - run are the compile costs a sweep pays per configuration
-without and with the cache. With `--trace DIR` the cold call is profiled (jax.profiler, host
+without and with the cache. Each row's `compiles` splits the cold call by jax's own
+compile events (`jax.monitoring`, no profiler): per jitted program, the seconds spent
+tracing, lowering to StableHLO and in XLA's backend compile, the slowest first, and
+`compile_totals` sums them by stage. With `--trace DIR` the cold call is profiled (jax.profiler, host
 events only, no Python tracer) and each row gets `phases`: the named host events (XLA's
 compiler passes, autotuning, jax's lowering) with the most summed time; cold then includes
 the profiler's overhead.
@@ -53,6 +56,47 @@ def traced(folder: str | None):
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0
     return jax.profiler.trace(folder, create_perfetto_trace=True, profiler_options=opts)
+
+
+# jax's compile stages as `jax.monitoring` names them (jax/_src/dispatch.py).
+STAGES = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "backend_compile",
+}
+
+
+@contextlib.contextmanager
+def compile_events():
+    """Yields {(program, stage): seconds}, filled by jax's compile events in the block."""
+    seconds = collections.defaultdict(float)
+
+    def listen(event, duration, **kw):
+        if event in STAGES:
+            name = str(kw.get("fun_name", "?"))  # the trace event names f, the others jit(f)
+            name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+            seconds[(name, STAGES[event])] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seconds
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+STAGE_KEYS = ("trace", "lower", "backend_compile")
+
+
+def by_program(seconds: dict, top: int = 12) -> tuple[list[dict], dict]:
+    """([{program, trace, lower, backend_compile}] the slowest `top`, {stage: total})."""
+    programs = collections.defaultdict(dict)
+    for (name, stage), s in seconds.items():
+        programs[name][stage] = round(s, 4)
+    rows = sorted(
+        ({"program": n, **v} for n, v in programs.items()), key=lambda r: -sum(r[k] for k in STAGE_KEYS if k in r)
+    )
+    totals = {k: round(sum(r.get(k, 0.0) for r in rows), 4) for k in STAGE_KEYS}
+    return rows[:top], {**totals, "programs": len(rows)}
 
 
 def phases(folder: str, top: int = 40) -> list[dict]:
@@ -117,8 +161,9 @@ def main():
 
             name = method + (str(budget) if budget else "")
             trace_dir = None if args.trace is None or rows else os.path.join(args.trace, name)
-            with traced(trace_dir):
+            with traced(trace_dir), compile_events() as seconds:
                 cold = timed(call)
+            compiles, compile_totals = by_program(seconds)
             compile_cache.clear()
             warm = timed(call)
             run = timed(call)
@@ -134,11 +179,13 @@ def main():
                     warm_jax_s=warm_jax,
                     run_s=run,
                     lower_s=lowering,
+                    compiles=compiles,
+                    compile_totals=compile_totals,
                     **({} if trace_dir is None else {"phases": phases(trace_dir)}),
                 )
             )
             print(
-                f"{method} {budget or ''}: cold {cold:.2f} s, warm {warm:.2f} s, run {run:.3f} s"
+                f"{method} {budget or ''}: cold {cold:.2f} s ({compile_totals}), warm {warm:.2f} s, run {run:.3f} s"
                 + ("" if warm_jax is None else f", jax's cache alone {warm_jax:.2f} s, trace + lower {lowering:.2f} s"),
                 flush=True,
             )

@@ -195,6 +195,10 @@ def test_compile_time_script_splits_warm_time(tiny_pair, tmp_path):
     # The first program's cold call alone is profiled: XLA's compile is among its named phases.
     assert any(p["name"] == "backend_compile_and_load" and p["ms"] > 0 for p in rows[0]["phases"]), rows[0]
     assert not any("phases" in r for r in rows[1:])
+    for r in rows:  # jax's compile events: generate's program is traced, lowered and compiled in the cold call
+        top = r["compiles"][0]
+        assert top["program"] == "_generate" and min(top["trace"], top["lower"], top["backend_compile"]) > 0, r
+        assert r["compile_totals"]["backend_compile"] >= top["backend_compile"], r
     for r in rows:  # only that each figure was taken: their order is wall-clock, which a busy machine bends
         assert min(r["cold_s"], r["warm_s"], r["warm_jax_s"], r["run_s"], r["lower_s"]) > 0, r
     assert result["executables"] == 2  # one whole executable a program
