@@ -130,7 +130,8 @@ def main():
         "--trace",
         default=None,
         help="profile the first program's cold call into DIR (see above); on the H200 the profiled dflash and "
-        "ddtree programs died (CUDA_ERROR_LAUNCH_FAILED), alone in their process too; ar ran",
+        "ddtree programs died (CUDA_ERROR_LAUNCH_FAILED), alone in their process too, and so did ddtree on an H100 "
+        "(2026-12-06); ar ran. Each row's `compiles` splits the cold call without the profiler",
     )
     ap.add_argument(
         "--no-jax-cache",
