@@ -20,7 +20,7 @@ from flax import struct
 from ddtree_jax import tree as trees
 from ddtree_jax.cache import KVCache, LatentKV
 from ddtree_jax.model import ForwardOutput, TargetParams, forward, logits
-from ddtree_jax.sampling import SamplingConfig, choose
+from ddtree_jax.sampling import Sampler, SamplingConfig, choose
 
 
 @struct.dataclass
@@ -33,7 +33,11 @@ class Acceptance:
 
 
 def build_tree(
-    method: str, draft_logits: jax.Array | None, roots: jax.Array, budget: int, tree_temperature: float = 1.0
+    method: str,
+    draft_logits: jax.Array | None,
+    roots: jax.Array,
+    budget: int,
+    tree_temperature: float | jax.Array = 1.0,
 ) -> trees.DraftTree:
     """The round's tree: root only ("ar"), argmax chain ("dflash") or best tree ("ddtree",
     from the drafter's logits divided by `tree_temperature`)."""
@@ -71,7 +75,11 @@ def verify(
 
 
 def target_choices(
-    target: TargetParams, hidden: jax.Array, key: jax.Array, sampling: SamplingConfig, numerics: str | None = None
+    target: TargetParams,
+    hidden: jax.Array,
+    key: jax.Array,
+    sampling: SamplingConfig | Sampler,
+    numerics: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The target's token at every slot [B, N] (argmax, or an independent sample per slot),
     and whether that slot's logits were all finite [B, N]."""
@@ -164,10 +172,10 @@ def step(
     *,
     method: str,
     budget: int,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | Sampler,
     implementation: str = "auto",
     numerics: str | None = None,
-    tree_temperature: float = 1.0,
+    tree_temperature: float | jax.Array = 1.0,
 ) -> tuple[KVCache, Any, RoundOutput]:
     """One whole round: draft -> build tree -> verify -> accept -> commit.
 
@@ -185,11 +193,12 @@ def step(
       choice_key: randomness of the target's sampled choices.
       method: "ar", "dflash" or "ddtree" (see `build_tree`).
       budget: DDTree node budget.
-      sampling: greedy or sampled choices (`sampling.SamplingConfig`).
+      sampling: greedy or sampled choices (`sampling.SamplingConfig`, or a `Sampler`
+        with traced values).
       implementation: kernel implementation of the verify forward.
       numerics: "exact" / "fast" (numerics.py); None picks by dtype.
       tree_temperature: DDTree's drafter logits are divided by it before the tree is
-        chosen (`tree.build_ddtree`).
+        chosen (`tree.build_ddtree`; a float32 scalar array: traced).
 
     Returns:
       (cache, draft_state, RoundOutput) after the round.

@@ -28,7 +28,7 @@ from ddtree_jax.drafters import DFlashDrafter, as_drafter, is_drafter
 from ddtree_jax.model import TargetParams, append, check_params, hoist_layers, logits
 from ddtree_jax.numerics import resolve as resolve_numerics
 from ddtree_jax.pallas import IMPLEMENTATIONS
-from ddtree_jax.sampling import SamplingConfig, choose
+from ddtree_jax.sampling import Sampler, SamplingConfig, choose
 from ddtree_jax.tree import check_budget, check_tree_temperature
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -147,13 +147,13 @@ class _Static:
     method: str
     budget: int
     max_new_tokens: int
-    sampling: SamplingConfig
+    sampling: tuple[bool, int, bool]  # SamplingConfig.signature; its values are the program's `knobs`
     cache_capacity: int
     cache_dtype: str
     implementation: str
     numerics: str
     prefill_chunk: int
-    tree_temperature: float
+    tree_scaled: bool  # DDTree divides its drafter logits by knobs[2] (a tree temperature other than 1)
 
 
 def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static, unroll_layers: bool = True):
@@ -198,7 +198,7 @@ def _prefill(target, drafter, cache, prompts, prompt_lengths, st: _Static, unrol
     return logits(target, last, numerics=st.numerics), cache, draft_state
 
 
-def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
+def _round(target, drafter, stop_ids, st: _Static, sampler: Sampler, tree_temperature, s: _State) -> _State:
     """`decode.step` for every active row, then the output bookkeeping: stop tokens,
     the room left, rows ended by non-finite logits, per-round records."""
     b, m = s.tokens.shape
@@ -216,10 +216,10 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
         k_choice,
         method=st.method,
         budget=st.budget,
-        sampling=st.sampling,
+        sampling=sampler,
         implementation=st.implementation,
         numerics=st.numerics,
-        tree_temperature=st.tree_temperature,
+        tree_temperature=tree_temperature,
     )
     j = jnp.arange(r.tokens.shape[1])[None, :]
     # A token chosen from non-finite logits is not emitted: the row ends before it.
@@ -249,8 +249,12 @@ def _round(target, drafter, stop_ids, st: _Static, s: _State) -> _State:
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
-def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _Static) -> GenerateResult:
+def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, knobs, *, st: _Static) -> GenerateResult:
+    """The whole call; knobs: [3] float32 (temperature, top_p, tree temperature), traced, so
+    that one program serves every value (`st` holds what shapes the program)."""
     b, m = prompts.shape[0], st.max_new_tokens
+    sampler = Sampler.of(st.sampling, knobs[:2])
+    tree_temperature = knobs[2] if st.tree_scaled else 1.0
     loaded = target
     target, drafter = for_loop(target, drafter, st.numerics, st.implementation)
     # Allocated inside the jit: the cache never crosses the boundary, and the
@@ -262,7 +266,7 @@ def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _S
         loaded if scan else target, drafter, cache, prompts, prompt_lengths, st, unroll_layers=not scan
     )
     key, sub = jax.random.split(key)
-    first = choose(first_logits, sub, st.sampling)
+    first = choose(first_logits, sub, sampler)
     finite = jnp.all(jnp.isfinite(first_logits), axis=-1)
     stopped = _is_stop(first, stop_ids) & finite
     state = _State(
@@ -281,7 +285,9 @@ def _generate(target, drafter, prompts, prompt_lengths, stop_ids, key, *, st: _S
     )
     with jax.named_scope("decode_loop"):
         s = jax.lax.while_loop(
-            lambda s: ~jnp.all(s.done), functools.partial(_round, target, drafter, stop_ids, st), state
+            lambda s: ~jnp.all(s.done),
+            functools.partial(_round, target, drafter, stop_ids, st, sampler, tree_temperature),
+            state,
         )
     return GenerateResult(
         tokens=s.tokens,
@@ -567,18 +573,20 @@ def _run(
         method=method,
         budget=int(budget),
         max_new_tokens=int(max_new_tokens),
-        sampling=sampling,
+        sampling=sampling.signature,
         cache_capacity=int(cache_capacity),
         cache_dtype=check_dtype(cache_dtype or target.dtype, "cache_dtype").name,
         implementation=implementation,
         numerics=numerics,
         prefill_chunk=check_int("prefill_chunk", prefill_chunk, minimum=1),
-        # One program per temperature for DDTree alone: the other trees do not read it.
-        tree_temperature=tree_temperature if method == "ddtree" else 1.0,
+        # DDTree alone reads it; at 1 the program skips the division.
+        tree_scaled=method == "ddtree" and tree_temperature != 1.0,
     )
+    # Traced, not static: a sweep over temperatures, top-p or tree temperatures compiles once.
+    knobs = np.concatenate([sampling.values(), np.asarray([tree_temperature], np.float32)])
     # Host arrays, not jnp.asarray: the call moves them to the device with its other arguments
     # instead of an eager conversion each (three more device launches a call on a GPU).
-    args = (target, drafter, ids, lengths, np.asarray(stop or [PAD], np.int32), key)
+    args = (target, drafter, ids, lengths, np.asarray(stop or [PAD], np.int32), key, knobs)
     mesh = _params_mesh(target)
     if mesh is None:
         # A whole executable from disk skips tracing and lowering (`compile_cache`); sharded

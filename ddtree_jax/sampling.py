@@ -4,6 +4,11 @@ The filters follow HF's warpers in HF's order (temperature, then top-k, then
 top-p), so `generate` samples the distribution an HF user would expect. The
 same `filtered_logits` serves AR sampling and tree acceptance, which is what
 keeps speculative sampling lossless.
+
+`SamplingConfig` is what a caller asks for, checked; inside a jitted program it
+becomes a `Sampler`, whose temperature and top-p are traced scalars: one program
+serves every temperature and top-p (only greedy or not, top-k, and whether top-p
+filters at all shape it).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ddtree_jax.checks import check_int
 
@@ -51,6 +57,37 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def nucleus(self) -> bool:
+        """Whether top-p removes anything (top_p < 1)."""
+        return self.top_p < 1
+
+    @property
+    def signature(self) -> tuple[bool, int, bool]:
+        """(greedy, top_k, nucleus): what shapes a program's sampling (`Sampler.of`)."""
+        return self.greedy, self.top_k, self.nucleus
+
+    def values(self) -> np.ndarray:
+        """[temperature, top_p] float32: the traced rest (`Sampler.of`)."""
+        return np.asarray([self.temperature, self.top_p], np.float32)
+
+
+@struct.dataclass
+class Sampler:
+    """A `SamplingConfig` inside a jitted program: temperature and top-p traced, the rest static."""
+
+    temperature: jax.Array  # [] float32 (unused when greedy)
+    top_p: jax.Array  # [] float32 (unused unless nucleus)
+    greedy: bool = struct.field(pytree_node=False)
+    top_k: int = struct.field(pytree_node=False)
+    nucleus: bool = struct.field(pytree_node=False)
+
+    @classmethod
+    def of(cls, signature: tuple[bool, int, bool], values: jax.Array) -> Sampler:
+        """From `SamplingConfig.signature` (static) and `.values()` ([2] float32, traced)."""
+        greedy, top_k, nucleus = signature
+        return cls(temperature=values[0], top_p=values[1], greedy=greedy, top_k=top_k, nucleus=nucleus)
+
 
 def check_float32_positive(name: str, value: float, zero_means: str) -> None:
     """Raises ValueError for a value > 0 below float32's smallest normal number (~1.2e-38): the
@@ -64,7 +101,7 @@ def check_float32_positive(name: str, value: float, zero_means: str) -> None:
         )
 
 
-def scaled_logits(logits: jax.Array, temperature: float) -> jax.Array:
+def scaled_logits(logits: jax.Array, temperature: float | jax.Array) -> jax.Array:
     """Float32 logits [..., V] / temperature, less their row maximum first: the same softmax,
     but a small temperature (1e-40, or 1e-37 on logits of 100) gives -inf to the tokens below
     the maximum instead of overflowing every logit to inf (NaN probabilities)."""
@@ -72,13 +109,13 @@ def scaled_logits(logits: jax.Array, temperature: float) -> jax.Array:
     return (x - jnp.max(x, axis=-1, keepdims=True)) / temperature
 
 
-def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def filtered_logits(logits: jax.Array, cfg: SamplingConfig | Sampler) -> jax.Array:
     """Float32 logits [..., V] after temperature, top-k and top-p (removed tokens = -inf)."""
     x = scaled_logits(logits, cfg.temperature)
     if 0 < cfg.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
-    if cfg.top_p < 1:
+    if cfg.nucleus:
         order = jnp.argsort(-x, axis=-1, stable=True)
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
         probs = jax.nn.softmax(sorted_x, axis=-1)
@@ -89,7 +126,7 @@ def filtered_logits(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return x
 
 
-def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def choose(logits: jax.Array, key: jax.Array, cfg: SamplingConfig | Sampler) -> jax.Array:
     """Next tokens [...] int32 from logits [..., V]: argmax if greedy, else a sample."""
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

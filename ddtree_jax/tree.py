@@ -326,7 +326,12 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def build_ddtree(
-    draft_logits: jax.Array, roots: jax.Array, budget: int, *, method: str = "auto", temperature: float = 1.0
+    draft_logits: jax.Array,
+    roots: jax.Array,
+    budget: int,
+    *,
+    method: str = "auto",
+    temperature: float | jax.Array = 1.0,
 ) -> DraftTree:
     """DDTree's best tree of `budget` nodes from per-depth drafter logits.
 
@@ -338,7 +343,8 @@ def build_ddtree(
         number at most MAX_ENUMERATED_PATHS); both give the same tree.
       temperature: the logits are divided by it before the tree is chosen (1.0: the
         drafter's distributions as they are; below 1 sharper). It shapes the tree only:
-        which tokens are accepted is the target's choice either way.
+        which tokens are accepted is the target's choice either way. A float32 scalar
+        array is taken as it is (traced: one program for every value; `generate` checks it).
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -346,7 +352,9 @@ def build_ddtree(
       the rest is padding.
     """
     check_budget(budget)
-    temperature = check_tree_temperature(temperature)
+    traced = isinstance(temperature, jax.Array)
+    if not traced:
+        temperature = check_tree_temperature(temperature)
     if method not in ("auto", "enumerate", "beam"):
         raise ValueError(f"method must be 'auto', 'enumerate' or 'beam', got {method!r}")
     b, d, v = draft_logits.shape
@@ -357,7 +365,7 @@ def build_ddtree(
         raise ValueError(f"budget {budget} at depth {d} has more than {MAX_ENUMERATED_PATHS} eligible paths")
     with jax.named_scope("build_tree"):
         scaled = draft_logits.astype(jnp.float32)
-        if temperature != 1.0:
+        if traced or temperature != 1.0:
             scaled = scaled_logits(scaled, temperature)
         logp = jax.nn.log_softmax(scaled, axis=-1)
         top_lp, top_tok = top_k(logp, k)  # [B, D, K], ranks sorted descending

@@ -1,5 +1,6 @@
 """generate(method="ar"): batching, stopping, sampling, and clear errors on bad input."""
 
+import collections
 import sys
 
 import jax
@@ -9,13 +10,32 @@ import pytest
 
 from ddtree_jax import model
 from ddtree_jax.generate import generate
-from ddtree_jax.sampling import SamplingConfig, choose, filtered_logits
+from ddtree_jax.sampling import Sampler, SamplingConfig, choose, filtered_logits
 from tests.conftest import random_target, tiny
 
 
 @pytest.fixture(scope="module")
 def params():
     return random_target(tiny(), seed=21)
+
+
+@pytest.fixture
+def compiles(tmp_path, monkeypatch):
+    """generate's compiles, counted: its executables go to a fresh folder (none in memory), so
+    each new program compiles once, whether or not the session's cache is on."""
+    from ddtree_jax import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_executables_dir", str(tmp_path / "executables"))
+    monkeypatch.setattr(compile_cache, "_loaded", collections.OrderedDict())
+    count = []
+    compile_ = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        count.append(1)
+        return compile_(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    return count
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [250], [1, 2, 3, 4]]
@@ -67,16 +87,12 @@ def test_padded_array_with_lengths_equals_lists(params):
     assert a == generate(params, PROMPTS, max_new_tokens=M).to_lists()
 
 
-def test_padded_batches_of_one_width_compile_once(params):
+def test_padded_batches_of_one_width_compile_once(params, compiles):
     """The default cache capacity follows the padded width, not the valid lengths (no recompiles)."""
-    from ddtree_jax.generate import _generate
-
     padded = np.full((1, 80), 7, np.int32)
-    generate(params, padded, prompt_lengths=[3], max_new_tokens=4).tokens.block_until_ready()
-    before = _generate._cache_size()
-    for n in (70, 80, 11):  # needed slots on both sides of the 64-slot capacity step
+    for n in (3, 70, 80, 11):  # needed slots on both sides of the 64-slot capacity step
         generate(params, padded, prompt_lengths=[n], max_new_tokens=4).tokens.block_until_ready()
-    assert _generate._cache_size() == before
+    assert len(compiles) == 1
 
 
 def test_greedy_continues_argmax_of_full_forward(params):
@@ -170,6 +186,27 @@ def test_top_k_top_p_filters():
     assert np.isfinite(np.asarray(top_p)).tolist() == [[True, True, True, False, False]]
     shuffled = filtered_logits(logits[:, ::-1], SamplingConfig(temperature=1.0, top_p=0.8))
     assert np.isfinite(np.asarray(shuffled)).tolist() == [[False, False, True, True, True]]
+
+
+def test_a_sampler_with_traced_values_filters_and_samples_as_its_config():
+    """`Sampler` (generate's, values traced) and the `SamplingConfig` it comes from agree: the
+    same tokens removed, the same draws."""
+    logits = jax.random.normal(jax.random.key(5), (4, 50)) * 3
+    keys = jax.random.split(jax.random.key(6), 32)
+    for cfg in (SamplingConfig(0.7), SamplingConfig(1.3, top_k=5), SamplingConfig(0.9, top_p=0.6), SamplingConfig()):
+
+        @jax.jit
+        def traced(values, sig=cfg.signature):
+            s = Sampler.of(sig, values)
+            return filtered_logits(logits, s) if not s.greedy else logits, jax.vmap(lambda k: choose(logits, k, s))(
+                keys
+            )
+
+        want = filtered_logits(logits, cfg) if not cfg.greedy else logits
+        got, draws = traced(cfg.values())
+        # To the last bit or so: XLA may divide by a constant temperature as a reciprocal product.
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+        assert np.asarray(draws).tolist() == np.asarray(jax.vmap(lambda k, c=cfg: choose(logits, k, c))(keys)).tolist()
 
 
 def test_small_temperatures_sample_the_argmax():
@@ -285,3 +322,21 @@ def test_tree_temperature_changes_the_drafts_not_the_tokens(params):
         assert res.to_lists() == want, t
         accepted[t] = np.asarray(res.accept_lengths).tolist()
     assert accepted[0.5] != accepted[3.0]
+
+
+def test_one_program_serves_every_temperature_top_p_and_tree_temperature(params, compiles):
+    """The values are traced: a sweep compiles once, and each value still reaches the program
+    (a tiny temperature samples the argmax: greedy's tokens; two temperatures sample apart)."""
+    from ddtree_jax.drafters import OracleDrafter
+
+    oracle = OracleDrafter(block_size=4, confidence=3.0, noise=1.5)
+    kw = dict(method="ddtree", tree_budget=6, max_new_tokens=M, stop_token_ids=())
+    runs = {
+        t: generate(params, oracle, PROMPTS, temperature=t, top_p=p, tree_temperature=tt, key=jax.random.key(3), **kw)
+        for t, p, tt in [(0.7, 0.9, 0.5), (1.5, 0.6, 3.0), (1e-6, 0.95, 0.8)]
+    }
+    assert len(compiles) == 1
+    assert runs[0.7].to_lists() != runs[1.5].to_lists()
+    greedy = generate(params, oracle, PROMPTS, tree_temperature=0.8, **kw)  # a program of its own
+    assert len(compiles) == 2
+    assert runs[1e-6].to_lists() == greedy.to_lists()

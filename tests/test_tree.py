@@ -214,6 +214,10 @@ def test_tree_temperature_sharpens_the_drafter_before_the_tree_is_chosen():
         assert np.asarray(sharp.tokens).tolist() == [[3, 0, 2]] and np.asarray(sharp.parents).tolist() == [[-1, 0, 1]]
         same = tree.build_ddtree(logits / 0.5, roots, 2, method=method)
         assert np.asarray(same.tokens).tolist() == np.asarray(sharp.tokens).tolist()
+        # A traced temperature (generate's: one program for every value) builds the same trees.
+        traced = jax.jit(lambda t, m=method: tree.build_ddtree(logits, roots, 2, method=m, temperature=t))
+        assert np.asarray(traced(jnp.float32(0.5)).tokens).tolist() == np.asarray(sharp.tokens).tolist()
+        assert np.asarray(traced(jnp.float32(1.0)).tokens).tolist() == np.asarray(flat.tokens).tolist()
 
 
 @pytest.mark.parametrize(
