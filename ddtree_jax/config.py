@@ -49,13 +49,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or float and not a bool (JSON's true would otherwise pass as 1)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _number(name: str, value: Any) -> float:
+def number(name: str, value: Any) -> float:
     """`value` as a float; ConfigError naming `name` unless it is a number (float("abc") would not name it)."""
-    if not _is_number(value):
+    if not is_number(value):
         raise ConfigError(f"{name} must be a number, got {value!r}")
     return float(value)
 
@@ -74,17 +75,17 @@ class YarnConfig:
     truncate: bool = True
 
     def __post_init__(self):
-        if not (_is_number(self.factor) and self.factor > 0):
+        if not (is_number(self.factor) and self.factor > 0):
             raise ConfigError(f"yarn factor must be > 0, got {self.factor!r}")
         orig = self.original_max_position_embeddings
         if not (_is_int(orig) and orig >= 1):
             raise ConfigError(f"yarn original_max_position_embeddings must be an int >= 1, got {orig!r}")
         for name in ("beta_fast", "beta_slow"):
-            if not _is_number(getattr(self, name)):
+            if not is_number(getattr(self, name)):
                 raise ConfigError(f"yarn {name} must be a number, got {getattr(self, name)!r}")
         for name in ("mscale", "mscale_all_dim", "attention_factor"):
             value = getattr(self, name)
-            if value is not None and not _is_number(value):
+            if value is not None and not is_number(value):
                 raise ConfigError(f"yarn {name} must be None or a number, got {value!r}")
 
 
@@ -174,10 +175,10 @@ class TargetConfig:
             self._validate_moe()
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not (_is_number(value) and value > 0):
+            if not (is_number(value) and value > 0):
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         r = self.routed_scaling_factor
-        if not (_is_number(r) and math.isfinite(r) and r > 0):
+        if not (is_number(r) and math.isfinite(r) and r > 0):
             raise ConfigError(f"routed_scaling_factor must be finite and > 0, got {r!r}")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
@@ -375,7 +376,7 @@ class TargetConfig:
             n_shared_experts=get("n_shared_experts"),
             n_group=get("n_group"),
             topk_group=get("topk_group"),
-            routed_scaling_factor=_number("routed_scaling_factor", get("routed_scaling_factor")),
+            routed_scaling_factor=number("routed_scaling_factor", get("routed_scaling_factor")),
             norm_topk_prob=flag("norm_topk_prob"),
             first_k_dense_replace=get("first_k_dense_replace"),
             q_lora_rank=hf["q_lora_rank"] if "q_lora_rank" in hf else HF_DEFAULTS["q_lora_rank"],  # null: plain q_proj
@@ -383,7 +384,7 @@ class TargetConfig:
             qk_nope_head_dim=get("qk_nope_head_dim"),
             qk_rope_head_dim=get("qk_rope_head_dim"),
             v_head_dim=get("v_head_dim"),
-            rms_norm_eps=_number("rms_norm_eps", get("rms_norm_eps")),
+            rms_norm_eps=number("rms_norm_eps", get("rms_norm_eps")),
             rope_theta=rope_theta,
             rope_scaling=yarn,
             rope_interleave=flag("rope_interleave"),
@@ -436,7 +437,7 @@ def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnCon
     for name, value in (("rope_parameters", rope), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a JSON object, got {value!r}")
-    theta = _number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    theta = number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", default_theta)))
     # rope_scaling's type, where it names one, wins over rope_parameters' (as HF reads both)
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", rope.get("type", "default"))
     rope = {**rope, **scaling}
@@ -460,10 +461,10 @@ def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnCon
             )
         factor = longest / orig
     return theta, YarnConfig(
-        factor=_number("yarn factor", factor),
+        factor=number("yarn factor", factor),
         original_max_position_embeddings=orig,
-        beta_fast=_number("yarn beta_fast", rope.get("beta_fast") or 32.0),
-        beta_slow=_number("yarn beta_slow", rope.get("beta_slow") or 1.0),
+        beta_fast=number("yarn beta_fast", rope.get("beta_fast") or 32.0),
+        beta_slow=number("yarn beta_slow", rope.get("beta_slow") or 1.0),
         mscale=rope.get("mscale"),
         mscale_all_dim=rope.get("mscale_all_dim"),
         attention_factor=rope.get("attention_factor"),

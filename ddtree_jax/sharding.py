@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ddtree_jax.checks import check_int
+
 MESH_AXES = ("data", "model")
 
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -177,9 +179,9 @@ def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
     devices = np.asarray(jax.devices() if devices is None else devices)
     if devices.size == 0:
         raise ValueError("make_mesh needs at least one device, got an empty list")
-    for name, size in (("data", data), ("model", model)):
-        if size is not None and not (isinstance(size, (int, np.integer)) and not isinstance(size, bool) and size >= 1):
-            raise ValueError(f"mesh {name} size must be an int >= 1, got {size!r}")
+    data = check_int("mesh data size", data, minimum=1)
+    if model is not None:
+        model = check_int("mesh model size", model, minimum=1)
     if model is None:
         model = devices.size // data
     if data * model != devices.size:

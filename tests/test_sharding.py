@@ -360,8 +360,13 @@ def test_spec_keeps_undividable_dims_replicated():
     assert sharding.spec_for(q, (2, 1, 8, 4), fake) == PartitionSpec(("data",), None, "model", None)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(data=3, model=5)
-    for bad, match in ((dict(data=0), "data size must be an int >= 1, got 0"), (dict(data=1, model=-1), "model size")):
-        with pytest.raises(ValueError, match=match):
+    for bad, error, match in (
+        (dict(data=0), ValueError, "mesh data size must be >= 1, got 0"),
+        (dict(data=1, model=-1), ValueError, "mesh model size must be >= 1, got -1"),
+        (dict(data=1.5), TypeError, "mesh data size must be an int, got 1.5"),
+        (dict(data=1, model=True), TypeError, "mesh model size must be an int, got True"),
+    ):
+        with pytest.raises(error, match=match):
             sharding.make_mesh(**bad)
     with pytest.raises(ValueError, match="at least one device"):
         sharding.make_mesh(devices=[])

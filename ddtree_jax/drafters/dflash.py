@@ -38,8 +38,8 @@ from ddtree_jax.config import (
     ConfigError,
     TargetConfig,
     YarnConfig,
-    _is_number,
-    _number,
+    is_number,
+    number,
     parse_rope,
     read_json,
     yarn_hf_dict,
@@ -88,7 +88,7 @@ QWEN3_DEFAULTS = {"rope_theta": 10000.0, "head_dim": 128, "max_position_embeddin
 _NEUTRAL_EXTRAS = {
     "input_embedding_scale": ("1.0", lambda v: v == 1.0),
     "output_multiplier": ("1.0", lambda v: v == 1.0),
-    "final_logit_softcapping": ("None or <= 0: no cap", lambda v: v is None or (_is_number(v) and v <= 0)),
+    "final_logit_softcapping": ("None or <= 0: no cap", lambda v: v is None or (is_number(v) and v <= 0)),
 }
 
 
@@ -331,7 +331,7 @@ class DrafterConfig:
             block_size=value("block_size", 16),
             target_layer_ids=tuple(target_layer_ids),
             mask_token_id=value("mask_token_id"),
-            rms_norm_eps=_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=yarn,
             num_target_layers=num_target_layers,
