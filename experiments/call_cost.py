@@ -51,10 +51,10 @@ def call_ms(fn, repeats: int) -> float:
     return 1e3 * time_call(fn, repeats)[0]
 
 
-def with_fresh_inputs(exe, target, drafter, *host_and_key):
-    """exe called with new host copies of generate's host inputs (prompt, lengths, stop ids)."""
-    *host, key = host_and_key
-    return exe(target, drafter, *[np.array(a) for a in host], key)
+def with_fresh_inputs(exe, target, drafter, ids, lengths, stop, key, knobs):
+    """exe called with new host copies of generate's host inputs (prompt, lengths, stop ids, and
+    the traced temperatures)."""
+    return exe(target, drafter, *[np.array(a) for a in (ids, lengths, stop)], key, np.array(knobs))
 
 
 def main():
@@ -113,13 +113,13 @@ def main():
             "rounds": rounds,
         }
         call(1)()
-        exe, (target, drafter, *host, key) = seen["exe"], seen["args"]
-        on_device = [jax.device_put(a) for a in host]
-        direct = functools.partial(exe, target, drafter, *on_device, key)
+        exe, (target, drafter, ids, lengths, stop, key, knobs) = seen["exe"], seen["args"]
+        on_device = [jax.device_put(a) for a in (ids, lengths, stop, key, knobs)]
+        direct = functools.partial(exe, target, drafter, *on_device)
         row["exe_host_ms"] = host_ms(direct, args.repeats)
         row["exe_call_ms"] = call_ms(direct, args.repeats)
-        # The same, handed new host copies of the prompt, lengths and stop ids each call (as
-        # generate does): new input buffers every call.
+        # The same, handed new host copies of the prompt, lengths, stop ids and knobs each call
+        # (as generate does): new input buffers every call.
         fresh = functools.partial(with_fresh_inputs, exe, *seen["args"])
         row["exe_fresh_call_ms"] = call_ms(fresh, args.repeats)
         row["round_ms"] = (row["full_ms"] - row["call_ms"]) / rounds
