@@ -121,6 +121,14 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--checkpoints", default=None)
     ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="each program at each sampling temperature, in this order (0: greedy; the values are traced, so a "
+        "second temperature > 0 reuses the first's program: its cold call shows no backend compile)",
+    )
+    ap.add_argument(
         "--xla-flags",
         default="",
         help="appended to XLA_FLAGS before the backend starts, e.g. --xla_gpu_autotune_level=0 (what a flag costs "
@@ -151,16 +159,22 @@ def main():
         s = load_shipped(args.checkpoints, dtype=args.dtype)
         ids = np.random.default_rng(0).integers(4, s.target.config.vocab_size, (1, args.prompt_len)).astype(np.int32)
         kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=())
-        programs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+        programs = [
+            (m, b, t)
+            for m in args.methods
+            for b in (args.budgets if m == "ddtree" else [None])
+            for t in args.temperatures
+        ]
         rows = []
         print(f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}")
-        for method, budget in programs:
+        for method, budget, temperature in programs:
             drafter = None if method == "ar" else s.drafter
+            kw_t = dict(kw, temperature=temperature, key=jax.random.key(0) if temperature else None)
 
-            def call(d=drafter, m=method, b=budget):
-                return generate(s.target, d, ids, method=m, tree_budget=b, **kw)
+            def call(d=drafter, m=method, b=budget, kw_t=kw_t):
+                return generate(s.target, d, ids, method=m, tree_budget=b, **kw_t)
 
-            name = method + (str(budget) if budget else "")
+            name = method + (str(budget) if budget else "") + (f"_t{temperature:g}" if temperature else "")
             trace_dir = None if args.trace is None or rows else os.path.join(args.trace, name)
             with traced(trace_dir), compile_events() as seconds:
                 cold = timed(call)
@@ -170,11 +184,12 @@ def main():
             run = timed(call)
             warm_jax = lowering = None
             if not args.no_jax_cache:
-                warm_jax, lowering = jax_cache_row(folder, call, s, drafter, ids, method, budget, kw)
+                warm_jax, lowering = jax_cache_row(folder, call, s, drafter, ids, method, budget, kw_t)
             rows.append(
                 dict(
                     method=method,
                     budget=budget,
+                    temperature=temperature,
                     cold_s=cold,
                     warm_s=warm,
                     warm_jax_s=warm_jax,
@@ -186,7 +201,7 @@ def main():
                 )
             )
             print(
-                f"{method} {budget or ''}: cold {cold:.2f} s ({compile_totals}), warm {warm:.2f} s, run {run:.3f} s"
+                f"{name}: cold {cold:.2f} s ({compile_totals}), warm {warm:.2f} s, run {run:.3f} s"
                 + ("" if warm_jax is None else f", jax's cache alone {warm_jax:.2f} s, trace + lower {lowering:.2f} s"),
                 flush=True,
             )

@@ -178,27 +178,36 @@ def test_train_step_cost_script_times_the_step_and_both_expert_paths(tmp_path):
 
 
 def test_compile_time_script_splits_warm_time(tiny_pair, tmp_path):
-    """AR and a DDTree budget (each program compiles twice: cold, and again into jax's own cache;
-    DFlash would be a third program down the same per-program path)."""
+    """AR and a DDTree budget at two temperatures (each program compiles twice: cold, and again
+    into jax's own cache; the second temperature reuses it; DFlash would be a third program
+    down the same per-program path)."""
     out = tmp_path / "compile.json"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # it makes a fresh cache
     proc = run_script(
         "compile_time.py",
         *("--checkpoints", tiny_pair, "--dtype", "float32", "--methods", "ar", "ddtree", "--budgets", 4),
-        *("--prompt-len", 8, "--max-new-tokens", 4, "--out", out, "--trace", tmp_path / "trace"),
+        *("--prompt-len", 8, "--max-new-tokens", 4, "--temperatures", 0.7, 1.3),
+        *("--out", out, "--trace", tmp_path / "trace"),
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [(r["method"], r["budget"]) for r in rows] == [("ar", None), ("ddtree", 4)]
+    assert [(r["method"], r["budget"], r["temperature"]) for r in rows] == [
+        ("ar", None, 0.7),
+        ("ar", None, 1.3),
+        ("ddtree", 4, 0.7),
+        ("ddtree", 4, 1.3),
+    ]
     # The first program's cold call alone is profiled: XLA's compile is among its named phases.
     assert any(p["name"] == "backend_compile_and_load" and p["ms"] > 0 for p in rows[0]["phases"]), rows[0]
     assert not any("phases" in r for r in rows[1:])
-    for r in rows:  # jax's compile events: generate's program is traced, lowered and compiled in the cold call
+    for r in rows[::2]:  # jax's compile events: generate's program is traced, lowered and compiled in the cold call
         top = r["compiles"][0]
         assert top["program"] == "_generate" and min(top["trace"], top["lower"], top["backend_compile"]) > 0, r
         assert r["compile_totals"]["backend_compile"] >= top["backend_compile"], r
+    for r in rows[1::2]:  # a second temperature: the same program (the temperature is traced), not compiled again
+        assert not any(c["program"] == "_generate" for c in r["compiles"]), r
     for r in rows:  # only that each figure was taken: their order is wall-clock, which a busy machine bends
         assert min(r["cold_s"], r["warm_s"], r["warm_jax_s"], r["run_s"], r["lower_s"]) > 0, r
     assert result["executables"] == 2  # one whole executable a program
