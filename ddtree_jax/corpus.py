@@ -2,9 +2,10 @@
 
 Every installed distribution (`importlib.metadata`) whose licence is permissive
 contributes its .py files (the `data.stdlib_files` size rule), and the manifest records
-each file's distribution, version, licence, path and SHA-256 of its content, so that a
+each file's distribution, version, licence, path and SHA-256 of its bytes, so that a
 run on the same image can be reproduced and checked file by file. Files are
-deduplicated by content hash across all sources (vendored copies are common), and a
+deduplicated by content hash (line endings aside) across all sources (vendored copies
+are common), and a
 file is kept out when its content also appears in the stdlib's validation or test split
 or when it contains a HumanEval prompt (its signature and docstring, whitespace
 normalized), so neither held-out set leaks into training.
@@ -82,6 +83,13 @@ def _digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+def _content_key(text: str) -> str:
+    """The digest of `text` with universal newlines, as text-mode reads give it: the held-out
+    splits are read that way, so a CRLF copy of one is the same content (and a CRLF copy of
+    a kept file a duplicate)."""
+    return _digest(text.replace("\r\n", "\n").replace("\r", "\n").encode("utf-8"))
+
+
 def _needles(prompts: Sequence[str]) -> list[tuple[str, str]]:
     """(marker, normalized prompt): a cheap "def name(" test (the prompt's last def) before the full match."""
     out = []
@@ -116,7 +124,7 @@ def collect(
     """
     dists = list(importlib.metadata.distributions() if distributions is None else distributions)
     dists.sort(key=lambda d: (d.metadata["Name"] or "").lower())
-    held = {_digest(t.encode("utf-8")) for t in held_out_texts}
+    held = {_content_key(t) for t in held_out_texts}
     needles = _needles(prompts)
     excluded = {e.lower() for e in exclude}
     report = {"skipped_licence": {}, "excluded": [], "duplicate": 0, "held_out_copy": 0, "contains_prompt": 0}
@@ -137,19 +145,19 @@ def collect(
         for path in distribution_files(dist):
             with open(path, "rb") as f:
                 raw = f.read()
-            digest = _digest(raw)
             text = raw.decode("utf-8", errors="replace")
-            if _digest(text.encode("utf-8")) in held:
+            key = _content_key(text)
+            if key in held:
                 report["held_out_copy"] += 1
                 continue
-            if digest in seen:
+            if key in seen:
                 report["duplicate"] += 1
                 continue
-            seen.add(digest)
+            seen.add(key)
             if any(marker in text and full in normalize(text) for marker, full in needles):
                 report["contains_prompt"] += 1
                 continue
-            kept.append((SourceFile(name, dist.version, lic, path, digest, len(raw)), text))
+            kept.append((SourceFile(name, dist.version, lic, path, _digest(raw), len(raw)), text))
     return kept, report
 
 

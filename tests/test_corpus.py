@@ -60,6 +60,24 @@ def test_collect_keeps_permissive_unique_clean_files(tmp_path):
     assert kept[2][0].license == "BSD License"
 
 
+def test_a_crlf_copy_is_the_same_content(tmp_path):
+    """The held-out splits are read with universal newlines, so a CRLF copy of one is held out
+    too (it leaked into training), and a CRLF copy of a kept file is a duplicate."""
+    held = "def held_out():\n    pass\n"
+    root = tmp_path / "site"
+    info = root / "pkg_e-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pkg-e\nVersion: 1.0\nLicense: MIT\n")
+    files = {"e/held_crlf.py": held.replace("\n", "\r\n"), "e/a.py": "A = 1\n", "e/a_crlf.py": "A = 1\r\n"}
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files))
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(text.encode())
+    kept, report = corpus.collect([], [held], distributions=list(importlib.metadata.distributions(path=[str(root)])))
+    assert [f.path.split("site/")[1] for f, _ in kept] == ["e/a.py"]
+    assert report["held_out_copy"] == 1 and report["duplicate"] == 1
+
+
 def test_licences():
     assert corpus.is_permissive("Apache-2.0") and corpus.is_permissive("BSD License; MIT")
     assert corpus.is_permissive("Python Software Foundation License")
