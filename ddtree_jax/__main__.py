@@ -33,7 +33,8 @@ def _load(args):
     if args.checkpoint:
         path = args.checkpoint
         if not os.path.isdir(path):
-            sys.exit(f"error: checkpoint directory {path!r} does not exist")
+            what = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+            sys.exit(f"error: checkpoint directory {path!r} {what}")
         check = not args.no_check_finite
         if os.path.isdir(os.path.join(path, "params")):
             return checkpoint.restore_checkpoint(path, dtype=args.dtype, check_finite=check), f"orbax checkpoint {path}"

@@ -176,10 +176,13 @@ def from_manifest(manifest: dict, progress: bool = False) -> list[tuple[SourceFi
     the same corpus on the same image, without collecting it afresh.
 
     Raises:
-      ValueError: a listed file is missing or its content differs (the first such file is named).
+      ValueError: a malformed entry, or a listed file missing or changed (the first such is named).
     """
     out = []
-    for entry in tqdm(manifest["files"], desc="manifest", unit="file", disable=not progress):
+    fields = [field.name for field in dataclasses.fields(SourceFile)]
+    for i, entry in enumerate(tqdm(manifest["files"], desc="manifest", unit="file", disable=not progress)):
+        if not isinstance(entry, dict) or sorted(entry) != sorted(fields):
+            raise ValueError(f"manifest file entry {i} is not an object with exactly the keys {fields}: {entry!r}")
         f = SourceFile(**entry)
         try:
             with open(f.path, "rb") as fh:

@@ -257,6 +257,14 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
 
+def check_tokenizer_settings(vocab_size: int, min_frequency: int) -> None:
+    """ValueError unless `train_tokenizer` takes them (checked before any work is done)."""
+    if not 512 <= vocab_size <= 65536:
+        raise ValueError(f"vocab_size must lie in [512, 65536] (token streams are uint16), got {vocab_size}")
+    if min_frequency < 1:
+        raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> Tokenizer:
     """Trains a byte-level BPE tokenizer with `SPECIAL_TOKENS` at ids 0..3.
 
@@ -272,10 +280,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency:
     Raises:
       ValueError: `vocab_size` or `min_frequency` out of range.
     """
-    if not 512 <= vocab_size <= 65536:
-        raise ValueError(f"vocab_size must lie in [512, 65536] (token streams are uint16), got {vocab_size}")
-    if min_frequency < 1:
-        raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
+    check_tokenizer_settings(vocab_size, min_frequency)
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -367,10 +372,29 @@ def eval_test_prompts(tok: Tokenizer, data_dir: str | os.PathLike) -> list[list[
     path = os.path.join(data_dir, "test.npy")
     if not os.path.exists(path):
         return prompt_windows(tokenize_split(tok, "test"), TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
-    try:  # numpy's errors on a damaged file name no file
-        return prompt_windows(np.load(path), TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
+    try:
+        return prompt_windows(load_tokens(path), TEST_PROMPTS, TEST_PROMPT_LEN, seed=0).tolist()
     except ValueError as e:
-        raise ValueError(f"test prompt set from {path}: {e}") from None
+        raise ValueError(f"test prompt set: {e}") from None
+
+
+def load_tokens(path: str | os.PathLike) -> np.ndarray:
+    """A token stream [N] as `experiments/prepare_data.py` saves it (.npy, 1-D integers).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file is not such an array (numpy's own errors name no file).
+    """
+    try:
+        tokens = np.load(path)
+    except FileNotFoundError:
+        raise
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a token array written by experiments/prepare_data.py ({e})") from None
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        what = f"{tokens.dtype} of shape {tokens.shape}" if isinstance(tokens, np.ndarray) else type(tokens).__name__
+        raise ValueError(f"{path}: a token array is 1-D integers, got {what}")
+    return tokens
 
 
 def prompt_windows(tokens: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:

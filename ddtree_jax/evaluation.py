@@ -41,7 +41,7 @@ def prompt_set(name: str, tokenizer, data_dir: str, limit: int | None = None) ->
 
 def validation_windows(data_dir: str, n: int, length: int) -> list[list[int]]:
     """`n` windows of `length` tokens of DATA_DIR/validation.npy (seed 1, as train_drafter's evals)."""
-    stream = np.load(os.path.join(data_dir, "validation.npy"))
+    stream = data.load_tokens(os.path.join(data_dir, "validation.npy"))
     return data.prompt_windows(stream, n, length, seed=1).tolist()
 
 

@@ -380,7 +380,8 @@ def load_declared(
     if dtype is not None:
         dtype = check_dtype(dtype)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{what} directory {path!r} does not exist")
+        state = "is a file, not a directory" if os.path.exists(path) else "does not exist"
+        raise FileNotFoundError(f"{what} directory {path!r} {state}")
     cfg = read_config(os.path.join(path, "config.json"))
     reader = Reader(path, dtype=dtype, check_finite=check_finite, prefixes=prefixes, renames=renames)
     decl = declare(cfg)

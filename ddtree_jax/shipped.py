@@ -41,7 +41,8 @@ def load_shipped(
     """
     root = checkpoints_dir(path)
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"checkpoints folder {root!r} does not exist")
+        what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
+        raise FileNotFoundError(f"checkpoints folder {root!r} {what}")
     parts = {"target": os.path.join(root, "target"), "tokenizer": os.path.join(root, "tokenizer.json")}
     if need_drafter:
         parts["drafter"] = os.path.join(root, "drafter")

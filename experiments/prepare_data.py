@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.manifest and not args.installed:
         parser.error("--manifest needs --installed")
+    try:  # before the work, not after it
+        data.check_tokenizer_settings(args.vocab_size, args.min_frequency)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.root is not None and not os.path.isdir(args.root):
+        parser.error(f"--root {args.root!r} is not a directory")
     t0 = time.perf_counter()
     try:
         versions = {} if args.installed else data.check_package_versions(args.packages, strict=not args.any_versions)
@@ -95,6 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
         _write_manifest(os.path.join(args.out, "manifest.json"), files, report, args.root)
     else:
         extra = {name: data.package_texts(name, progress=True) for name in args.packages}
+        stale = os.path.join(args.out, "manifest.json")
+        if os.path.exists(stale):  # an earlier --installed run's: it no longer describes train.npy
+            os.remove(stale)
+            print(f"removed {stale}: this run is not --installed")
     train = tqdm(texts["train"], desc="train tokenizer", unit="file")
     tok = data.train_tokenizer(train, vocab_size=args.vocab_size, min_frequency=args.min_frequency)
     tok.save(os.path.join(args.out, "tokenizer.json"))

@@ -152,6 +152,10 @@ def test_corrupt_file(params, tmp_path):
 def test_missing_files(params, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         checkpoint.load_target(tmp_path / "nope")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(FileNotFoundError, match="is a file, not a directory"):
+        checkpoint.load_target(tmp_path / "a_file")
+    os.remove(tmp_path / "a_file")
     checkpoint.save_hf(params, tmp_path)
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):

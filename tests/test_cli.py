@@ -22,6 +22,7 @@ def test_demo_on_hf_checkpoint(tmp_path, capsys):
     ("argv", "match"),
     [
         (["demo", "--checkpoint", "/no/such/dir"], "does not exist"),
+        (["demo", "--checkpoint", __file__], "is a file, not a directory"),
         (["demo", "--preset", "huge"], "unknown preset 'huge'"),
         (["demo", "--preset", "kimi_k2"], "too large"),
     ],

@@ -142,3 +142,7 @@ def test_prepare_data_replays_a_manifest_and_refuses_a_changed_file(fake_root, t
     (again / "other.json").write_text('{"files": 3}')
     with pytest.raises(ValueError, match="is not a corpus manifest"):
         corpus.read_manifest(again / "other.json")
+    entry = json.loads((first / "manifest.json").read_text())["files"][0]
+    for bad in ({k: v for k, v in entry.items() if k != "sha256"}, {**entry, "extra": 1}, ["a", "b"]):
+        with pytest.raises(ValueError, match=r"manifest file entry 1 is not an object with exactly the keys"):
+            corpus.from_manifest({"files": [entry, bad]})

@@ -325,10 +325,45 @@ def test_prepare_data_appends_packages_to_train_only(fake_root, tmp_path):
     assert list(sources) == ["stdlib", "chex"]
     assert sources["stdlib"]["tokens"] + sources["chex"]["tokens"] == stats["splits"]["train"]["tokens"]
     assert stats["splits"]["train"]["files"] == len(data.split_files("train", root)) + len(data.package_texts("chex"))
-    # The tokenizer sees the stdlib train split only: packages do not change it.
+    # The tokenizer sees the stdlib train split only: packages do not change it. An earlier
+    # --installed run's manifest in the folder no longer describes its train.npy: removed.
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "manifest.json").write_text('{"files": []}')
     _prepare_data().main(["--out", str(tmp_path / "bare"), "--root", str(root), "--vocab-size", "600", "--packages"])
+    assert not (tmp_path / "bare" / "manifest.json").exists()
     assert (tmp_path / "bare" / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
     np.testing.assert_array_equal(np.load(tmp_path / "bare" / "train.npy"), stdlib_train)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--vocab-size", "100"], "vocab_size must lie in"),
+        (["--min-frequency", "0"], "min_frequency must be >= 1"),
+        (["--root", "/nonexistent/src"], "--root '/nonexistent/src' is not a directory"),
+    ],
+)
+def test_prepare_data_refuses_bad_settings_before_any_work(argv, match, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data, "read_texts", lambda *a, **k: pytest.fail("read the sources before refusing"))
+    with pytest.raises(SystemExit):
+        _prepare_data().main(["--out", str(tmp_path / "out"), "--packages", *argv])
+    assert match in capsys.readouterr().err
+
+
+def test_load_tokens_names_a_file_that_is_not_a_token_array(tmp_path):
+    (tmp_path / "text.npy").write_text("not numpy\n")
+    np.save(tmp_path / "grid.npy", np.zeros((2, 3), np.uint16))
+    np.save(tmp_path / "floats.npy", np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"text.npy: not a token array written by experiments/prepare_data.py"):
+        data.load_tokens(tmp_path / "text.npy")
+    for name, what in (("grid", r"uint16 of shape \(2, 3\)"), ("floats", r"float32 of shape \(3,\)")):
+        with pytest.raises(ValueError, match=rf"{name}.npy: a token array is 1-D integers, got {what}"):
+            data.load_tokens(tmp_path / f"{name}.npy")
+    with pytest.raises(FileNotFoundError):
+        data.load_tokens(tmp_path / "missing.npy")
+    (tmp_path / "test.npy").write_text("text\n")
+    with pytest.raises(ValueError, match=r"test prompt set: .*test.npy: not a token array"):
+        data.eval_test_prompts(None, tmp_path)
 
 
 def test_prepare_data_refuses_other_package_versions(fake_root, tmp_path, monkeypatch, capsys):

@@ -221,6 +221,7 @@ def test_cli_eval_without_prepared_data_tokenizes_stdlib(tmp_path, capsys):
         (["eval", "--methods", "ar", "beam"], "unknown method 'beam'"),
         (["generate", "def f(", "--checkpoints", "/nonexistent"], "'/nonexistent' does not exist"),
         (["eval", "--checkpoints", "/nonexistent"], "'/nonexistent' does not exist"),
+        (["eval", "--checkpoints", __file__], "is a file, not a folder"),
         (["generate", ""], "the prompt is empty"),
         (["generate", "  \n"], "the prompt is empty"),
         (["eval", "--prompts", "nope", "--methods", "ar"], "unknown prompt set 'nope'"),
