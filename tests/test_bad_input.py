@@ -208,7 +208,7 @@ def test_cli_out_is_checked_before_the_run(tmp_path, command):
 def test_damaged_test_split_is_named(tmp_path):
     """Before: np.load's message alone, naming no file."""
     (tmp_path / "test.npy").write_bytes(b"\x93NUMPY garbage")
-    with pytest.raises(ValueError, match=rf"test prompt set from {tmp_path}/test\.npy: "):
+    with pytest.raises(ValueError, match=rf"test prompt set: {tmp_path}/test\.npy: not a token array"):
         evaluation.prompt_set("test", None, str(tmp_path))
 
 
