@@ -276,6 +276,13 @@ def _int4_part(reader: Reader, w: Weight, name: str, part: int) -> np.ndarray:
     if part == 1:
         scale_shape = (fan_out, fan_in // w.quant.group_size)
         return np.ascontiguousarray(transpose(reader.get(s_name, scale_shape, scale_dtype(reader, s_name, w.quant))))
+    if not reader.has(p_name) and reader.has(name):
+        # compressed-tensors' `ignore` can keep some layers' experts dense; the stacks hold one format.
+        raise CheckpointError(
+            f"{name!r} is stored unquantized, but config.json's quantization_config makes the routed experts "
+            "pack-quantized INT4, and they are loaded as one stack: a checkpoint with some routed experts INT4 and "
+            "others dense is not supported (quantize them all, e.g. `python -m ddtree_jax quantize`, or none)"
+        )
     stored = reader.get(shape_name, (2,), np.int64)
     if tuple(int(v) for v in stored) != (fan_out, fan_in):
         raise CheckpointError(f"{shape_name} is {stored.tolist()}, expected [{fan_out}, {fan_in}]")

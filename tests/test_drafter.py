@@ -421,6 +421,19 @@ def test_sliding_window_configs():
     assert dataclasses.replace(CFG, num_hidden_layers=3).types == ("full_attention",) * 3
 
 
+def test_a_window_left_out_is_qwen3_configs_default():
+    """use_sliding_window with no sliding_window key: Qwen3Config's 4096, so the published model makes
+    the layers from max_window_layers on sliding, and so causal among the block. Read as no window,
+    they were full and bidirectional: other draft logits, no error (found against the published model)."""
+    hf = {k: v for k, v in PUBLISHED.items() if k not in ("sliding_window", "layer_types")}
+    cfg = DrafterConfig.from_hf_config({**hf, "use_sliding_window": True, "max_window_layers": 2})
+    assert cfg.types == ("full_attention",) * 2 + ("sliding_attention",) * 3
+    assert cfg.sliding_window == 4096 and cfg.causal_layers == (False,) * 2 + (True,) * 3
+    # An explicit null is no window: every layer full, as Qwen3Config makes them.
+    null = {**hf, "use_sliding_window": True, "sliding_window": None, "max_window_layers": 2}
+    assert DrafterConfig.from_hf_config(null) == PUBLISHED_CFG
+
+
 # Shaped after z-lab/Kimi-K2.5-DFlash's public model card (hidden, layers, heads, intermediate,
 # vocab, max positions, YaRN factor 64 and theta 50 000). The card does not give head_dim, YaRN's
 # original window, the taps or the mask id: those are assumptions (Qwen3's default head_dim,
@@ -499,6 +512,9 @@ def test_default_target_layer_ids(layers, targets, want):
         ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope type 'linear'"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "rope type 'dynamic'"),
         ({"layer_types": ["sliding_attention"] * 5}, "sliding_attention layers but no window"),
+        # Before: "argument of type 'int' is not iterable"; a string was searched for a substring.
+        ({"layer_types": 5}, "layer_types must be a list of one type per layer, got 5"),
+        ({"layer_types": "sliding_attention"}, "layer_types must be a list of one type per layer, got 'sliding"),
         ({"layer_types": ["sliding_attention"] * 5, "use_sliding_window": True, "sliding_window": 8}, "block_size=16"),
         ({"layer_types": ["full_attention"] * 4}, "one type per layer"),
         ({"layer_types": ["chunked_attention"] * 5}, "chunked_attention"),

@@ -371,6 +371,18 @@ def test_bad_quantized_tensors_are_named(quantized, tmp_path):
     rewrite(tmp_path, lambda t: t.update({attn + ".weight_packed": np.zeros((4, 4), np.int32)}))
     with pytest.raises(CheckpointError, match=rf"'{attn}\.weight_packed' is pack-quantized, but only routed experts"):
         checkpoint.load_target(tmp_path)
+    # One expert kept dense (compressed-tensors' `ignore` can do that): named, not "missing weight ...".
+    checkpoint.save_hf(quantized, tmp_path)
+    w = quantized.moe_layers.mlp.down.dequantize(jnp.float32)[0, 2].T  # layer 1 is the first MoE layer
+
+    def keep_dense(t):
+        for part in ("weight_packed", "weight_scale", "weight_shape"):
+            del t[f"{name}.{part}"]
+        t[f"{name}.weight"] = np.asarray(w)
+
+    rewrite(tmp_path, keep_dense)
+    with pytest.raises(CheckpointError, match=rf"'{name}\.weight' is stored unquantized, .* not supported"):
+        checkpoint.load_target(tmp_path)
     dense = random_target(tiny(), seed=1)
     checkpoint.save_hf(dense, tmp_path / "d")
     rewrite(tmp_path / "d", lambda t: t.update({name + ".weight_packed": np.zeros((4, 4), np.int32)}))

@@ -81,7 +81,7 @@ __all__ = [
 
 # transformers 5.17's Qwen3Config (the DFlash drafter's layout) for keys a config.json leaves out:
 # the published model reads such a config with these.
-QWEN3_DEFAULTS = {"rope_theta": 10000.0, "head_dim": 128, "max_position_embeddings": 32768}
+QWEN3_DEFAULTS = {"rope_theta": 10000.0, "head_dim": 128, "max_position_embeddings": 32768, "sliding_window": 4096}
 # dflash_config / top-level keys of later DFlash variants that change the math: the values that
 # leave it unchanged (as the message names them) and the test for them. The published model caps
 # the logits only at a cap > 0.
@@ -297,15 +297,17 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"config.json lacks required keys: {missing}")
         n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
-        # Qwen3Config: the window exists only with use_sliding_window; absent layer_types
-        # make layers from max_window_layers on sliding.
-        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        # Qwen3Config: the window exists only with use_sliding_window (4096 when the key is left
+        # out, none when null); absent layer_types make layers from max_window_layers on sliding.
+        window = hf.get("sliding_window", QWEN3_DEFAULTS["sliding_window"]) if hf.get("use_sliding_window") else None
         layer_types = hf.get("layer_types")
         if layer_types is None:
             first = hf.get("max_window_layers", 28)
             layer_types = [
                 "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)
             ]
+        if not isinstance(layer_types, list | tuple):  # `in` below: a bare TypeError, or a string's substring
+            raise ConfigError(f"layer_types must be a list of one type per layer, got {layer_types!r}")
         if "sliding_attention" not in layer_types:
             window = None
         elif window is None:
