@@ -205,8 +205,9 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_fini
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: stored params do not match its config.json ({e})") from None
     except Exception as e:  # orbax / TensorStore raise bare Exceptions for unreadable array files
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: its stored arrays cannot be read (truncated or corrupt? {first})") from None
+        raise CheckpointError(
+            f"{path}: its stored arrays cannot be read (truncated or corrupt? {hf.orbax_error(e)})"
+        ) from None
     params = serialization.from_state_dict(template, restored)
     if check_finite:
         for key_path, leaf in jax.tree_util.tree_leaves_with_path(params):

@@ -41,6 +41,15 @@ class CheckpointError(ValueError):
     """A missing, extra, mis-shaped, non-finite or corrupt weight, with file and tensor named."""
 
 
+def orbax_error(e: Exception) -> str:
+    """The first line of an orbax / TensorStore error, without the TensorStore spec that follows it
+    (hundreds of lines of JSON, cut mid-way to `TensorStore({`)."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    return text.splitlines()[0].split(" See full TensorStore details")[0][:300]
+
+
 class Reader:
     """All tensors of an HF checkpoint directory, by name, with `renames` applied and `prefixes` stripped.
 

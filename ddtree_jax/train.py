@@ -21,6 +21,7 @@ from flax import serialization, struct
 
 from ddtree_jax.cache import KVCache
 from ddtree_jax.drafters import dflash
+from ddtree_jax.hf import CheckpointError, orbax_error
 from ddtree_jax.model import ForwardOutput, TargetParams, cast_params, causal_mask, forward, logits
 
 
@@ -371,12 +372,24 @@ def save_state(manager, state: TrainState) -> None:
 
 
 def restore_latest(manager, template: TrainState) -> TrainState | None:
-    """The newest saved state (shaped like `template`), or None if there is none."""
+    """The newest saved state (shaped like `template`), or None if there is none.
+
+    Raises:
+      CheckpointError: the newest step's folder (named) cannot be restored into `template`:
+        damaged files, or the state of another run (another preset, model or optimizer).
+    """
     import orbax.checkpoint as ocp
 
     step = manager.latest_step()
     if step is None:
         return None
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), serialization.to_state_dict(template))
-    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    try:
+        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # orbax raises ValueErrors, FileNotFoundErrors and (TensorStore) bare Exceptions
+        raise CheckpointError(
+            f"the training state saved in {manager.directory / str(step)} cannot be restored ({orbax_error(e)}): "
+            "its files are damaged or it is another run's (another preset, model or optimizer); remove that "
+            "folder to resume from an earlier step or start over, or train into another folder"
+        ) from None
     return serialization.from_state_dict(template, restored)

@@ -9,7 +9,9 @@ saved. The run ends at `steps` or once `max_minutes` have passed since `t_start`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -37,6 +39,44 @@ def add_training_args(ap, *, steps: int, batch: int, lr: float, eval_every: int)
         help="time a few probe steps, then set --steps so that training takes about this long",
     )
     ap.add_argument("--seed", type=int, default=0)
+
+
+def check_training_args(args) -> None:
+    """Exits naming the first flag of `add_training_args` that cannot train: --eval-every 0 ended
+    in a ZeroDivisionError after the first step, and --lr nan trained to NaN weights and exported
+    them with exit status 0."""
+    for flag, value in (("--steps", args.steps), ("--batch", args.batch), ("--eval-every", args.eval_every)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be >= 1, got {value}")
+    if args.warmup < 0:
+        raise SystemExit(f"error: --warmup must be >= 0, got {args.warmup}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"error: --lr must be a finite number > 0, got {args.lr}")
+    if not args.max_minutes > 0:  # NaN too: it never ends the run (inf is no limit)
+        raise SystemExit(f"error: --max-minutes must be > 0, got {args.max_minutes}")
+    if args.fit_minutes is not None and not (math.isfinite(args.fit_minutes) and args.fit_minutes > 0):
+        raise SystemExit(f"error: --fit-minutes must be a finite number > 0, got {args.fit_minutes}")
+
+
+@contextlib.contextmanager
+def refusing(what: str):
+    """Turns the library's errors for bad input (a missing or damaged checkpoint, an unsupported
+    config: ValueError / OSError, which name the problem) into one `error: WHAT: ...` line."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {what}: {e}") from None
+
+
+def resume(manager, state: train.TrainState) -> train.TrainState:
+    """The newest state `manager` holds (printing its step), else `state`; exits naming a saved
+    state that cannot be restored (`train.restore_latest`)."""
+    with refusing("cannot resume"):
+        restored = train.restore_latest(manager, state)
+    if restored is None:
+        return state
+    print(f"resumed at step {int(restored.step)}")
+    return restored
 
 
 def run(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -51,6 +52,40 @@ def distill(
         res = generate(target, chunk, max_new_tokens=gen_len, stop_token_ids=(), temperature=temperature, key=key)
         out.append(np.concatenate([chunk, np.asarray(res.tokens)], axis=1))
     return np.concatenate(out).astype(np.int32)
+
+
+def save_atomically(path: str, array: np.ndarray) -> None:
+    """np.save through a temporary file: a run killed mid-write leaves no truncated `path` behind."""
+    tmp = path + ".tmp.npy"
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def reuse_distilled(distill_path: str, starts_path: str, args, counts: np.ndarray, vocab_size: int):
+    """(sequences, prompt lengths) of an earlier run's distillation data in --out; exits naming the
+    file if it cannot be read, was made with other --prompts / --prompt-len / --gen-len (another
+    run's folder: it used to be trained on as it was) or holds ids outside the target's vocabulary."""
+    redo = f"remove {distill_path} to distill anew, or train into another --out"
+    try:
+        seqs = np.load(distill_path)
+        starts = np.load(starts_path) if os.path.exists(starts_path) else None
+    except (ValueError, OSError, EOFError) as e:
+        sys.exit(f"error: {distill_path} cannot be read ({e}); {redo}")
+    want = np.repeat(np.asarray(args.prompt_len), counts)
+    if starts is None:
+        if len(args.prompt_len) > 1:
+            sys.exit(f"error: {distill_path} has no {starts_path}: cannot tell its rows' prompt lengths")
+        starts = np.full(len(seqs), args.prompt_len[0])  # written before mixed lengths existed
+    shape = (len(want), max(args.prompt_len) + args.gen_len)
+    if seqs.shape != shape or not np.array_equal(starts, want):
+        sys.exit(
+            f"error: {distill_path} holds sequences of shape {seqs.shape} with prompt lengths "
+            f"{sorted(set(np.asarray(starts).tolist()))}, not the {shape} of --prompts {args.prompts} --prompt-len "
+            f"{' '.join(map(str, args.prompt_len))} --gen-len {args.gen_len}; {redo}"
+        )
+    if seqs.min() < 0 or seqs.max() >= vocab_size:
+        sys.exit(f"error: {distill_path} holds token ids outside the target's vocabulary of {vocab_size}; {redo}")
+    return seqs, starts
 
 
 def plot(history, evals, path):
@@ -117,17 +152,25 @@ def main():
         "--init", default=None, help="start from this HF drafter (its config wins over --layers/--taps/...)"
     )
     args = ap.parse_args()
+    _loop.check_training_args(args)
 
     if not 0.0 <= args.distill_weight <= 1.0:
         sys.exit(f"error: --distill-weight must be in [0, 1], got {args.distill_weight}")
     if not 0.0 <= args.sample_fraction <= 1.0:
         sys.exit(f"error: --sample-fraction must be in [0, 1], got {args.sample_fraction}")
+    if not (math.isfinite(args.gamma) and args.gamma > 0):  # 0: NaN block weights, a NaN drafter
+        sys.exit(f"error: --gamma must be a finite number > 0, got {args.gamma}")
+    for flag in ("--anchors", "--gen-len", "--gen-batch", "--eval-prompts", "--eval-prompt-len", "--eval-budget"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:  # else a failure after the distillation or the first steps
+            sys.exit(f"error: {flag} must be >= 1, got {value}")
     if min(args.prompt_len) < 1 or args.prompts < len(args.prompt_len):
         sys.exit(f"error: --prompt-len {args.prompt_len} needs lengths >= 1 and --prompts >= one per length")
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     tok = Tokenizer.load(os.path.join(args.data, "tokenizer.json"))
-    target = checkpoint.load_target(args.target, dtype=jnp.bfloat16)
+    with _loop.refusing(f"--target {args.target}"):
+        target = checkpoint.load_target(args.target, dtype=jnp.bfloat16)
     if target.config.vocab_size != tok.vocab_size:
         sys.exit(f"error: target vocab {target.config.vocab_size} != tokenizer vocab {tok.vocab_size}")
 
@@ -140,7 +183,8 @@ def main():
             sys.exit(f"error: --sliding-window {args.sliding_window}: {e}")
 
     if args.init:  # its config, not --layers / --taps / ...
-        params = dflash.load_drafter(args.init, dtype=jnp.float32)
+        with _loop.refusing(f"--init {args.init}"):
+            params = dflash.load_drafter(args.init, dtype=jnp.float32)
         dcfg = with_window(params.config)
         params = params.replace(config=dcfg)
         print(f"initialised from {args.init}")
@@ -163,17 +207,11 @@ def main():
     distill_path = os.path.join(args.out, "distill.npy")
     starts_path = os.path.join(args.out, "distill_prompt_lens.npy")
     t0 = time.time()
+    total = max(args.prompt_len) + args.gen_len
+    counts = np.diff(np.linspace(0, args.prompts, len(args.prompt_len) + 1).astype(int))
     if os.path.exists(distill_path):
-        seqs = np.load(distill_path)
-        if os.path.exists(starts_path):
-            starts = np.load(starts_path)
-        elif len(args.prompt_len) == 1:  # written before mixed lengths existed
-            starts = np.full(len(seqs), args.prompt_len[0])
-        else:
-            sys.exit(f"error: {distill_path} has no {starts_path}: cannot tell its rows' prompt lengths")
+        seqs, starts = reuse_distilled(distill_path, starts_path, args, counts, target.config.vocab_size)
     else:
-        total = max(args.prompt_len) + args.gen_len
-        counts = np.diff(np.linspace(0, args.prompts, len(args.prompt_len) + 1).astype(int))
         parts = []
         for i, (length, count) in enumerate(zip(args.prompt_len, counts, strict=True)):
             prompts = prompt_windows(train_stream, int(count), length, seed=args.seed + 1000 * i)
@@ -185,8 +223,8 @@ def main():
                 parts.append(distill(target, sampled, total - length, args.gen_batch, 1.0, seed=args.seed + i))
         seqs = np.concatenate(parts)
         starts = np.repeat(np.asarray(args.prompt_len), counts)
-        np.save(distill_path, seqs)
-        np.save(starts_path, starts)
+        save_atomically(starts_path, starts)  # first: a distill.npy on disk always has its prompt lengths
+        save_atomically(distill_path, seqs)
     distill_time = time.time() - t0
     print(f"distillation data {seqs.shape} in {distill_time:.0f}s")
     eval_prompts = prompt_windows(val_stream, args.eval_prompts, args.eval_prompt_len, seed=1)
@@ -217,10 +255,7 @@ def main():
     )
     state = train.init_state(params, opt)
     manager = train.checkpoint_manager(os.path.abspath(os.path.join(args.out, "ckpt_drafter")))
-    restored = train.restore_latest(manager, state)
-    if restored is not None:
-        state = restored
-        print(f"resumed at step {int(state.step)}")
+    state = _loop.resume(manager, state)
     step_fn = jax.jit(
         functools.partial(
             train.drafter_train_step, optimizer=opt, gamma=args.gamma, distill_weight=args.distill_weight

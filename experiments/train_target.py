@@ -156,6 +156,10 @@ def main():
         "--ul-val-windows", type=int, default=64, help="validation windows whose greedy continuations are evaluated"
     )
     args = ap.parse_args()
+    _loop.check_training_args(args)
+    for flag, value in (("--seq", args.seq), ("--save-every", args.save_every)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be >= 1, got {value}")
     if args.unlikelihood < 0 or args.ul_anchor < 0:
         raise SystemExit(f"--unlikelihood and --ul-anchor must be >= 0, got {args.unlikelihood}, {args.ul_anchor}")
     if args.ul_anchor and not (args.unlikelihood and args.init):
@@ -191,7 +195,8 @@ def main():
     val_batches = windows(val_stream, np.random.default_rng(123), 64, args.seq + 1).reshape(4, 16, -1)
 
     if args.init:  # no random init first: op by op, it took seconds even for the tiny preset
-        start = checkpoint.load_target(args.init, dtype=jnp.float32)
+        with _loop.refusing(f"--init {args.init}"):
+            start = checkpoint.load_target(args.init, dtype=jnp.float32)
         if start.config.expert_int4_group_size is not None:  # an INT4 export: continue from its rounded experts
             start = model.dequantize_experts(start, jnp.float32)
         if start.config != cfg:
@@ -218,10 +223,7 @@ def main():
     opt = train.make_optimizer(opt_cfg, params, frozen=frozen)
     state = train.init_state(params, opt)
     manager = train.checkpoint_manager(os.path.abspath(os.path.join(args.out, "ckpt_target")))
-    restored = train.restore_latest(manager, state)
-    if restored is not None:
-        state = restored
-        print(f"resumed at step {int(state.step)}")
+    state = _loop.resume(manager, state)
 
     # The --init weights, frozen: a copy (the step donates the state's buffers), passed as an
     # argument (closed over, jit would bake them into the program as constants).

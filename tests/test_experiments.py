@@ -168,6 +168,62 @@ def test_train_drafter_rejects_a_window_below_the_block(data_dir, tmp_path):
     assert "--sliding-window 8" in why and "block_size=16" in why
 
 
+def test_training_scripts_refuse_bad_numbers_and_foreign_checkpoints(data_dir, tiny_pair, tmp_path):
+    """--eval-every 0 was a ZeroDivisionError after the first step and --lr nan trained to NaN
+    weights with exit status 0; a drafter as --init, or an --out holding another model's state,
+    ended in tracebacks (orbax's naming no folder)."""
+    common = ("--data", data_dir, "--preset", "tiny", "--batch", 2, "--seq", 32, "--out", tmp_path / "t")
+    for flag, value, message in (
+        ("--eval-every", 0, "--eval-every must be >= 1, got 0"),
+        ("--lr", "nan", "--lr must be a finite number > 0, got nan"),
+        ("--steps", -1, "--steps must be >= 1, got -1"),
+        ("--max-minutes", "nan", "--max-minutes must be > 0, got nan"),
+        ("--save-every", 0, "--save-every must be >= 1, got 0"),
+    ):
+        assert message in refusal("train_target.py", *common, flag, value)
+    drafter = os.path.join(REPO, "checkpoints", "drafter")
+    why = refusal("train_target.py", *common, "--init", drafter)
+    assert f"error: --init {drafter}: model_type 'qwen3' is not supported" in why
+    # Another preset's state where this run would resume.
+    other = train.TrainState(step=jnp.asarray(1, jnp.int32), params={"w": jnp.ones(3)}, opt_state=())
+    train.save_state(manager := train.checkpoint_manager(str(tmp_path / "t" / "ckpt_target")), other)
+    manager.wait_until_finished()
+    why = refusal("train_target.py", *common, "--steps", 2)
+    assert f"error: cannot resume: the training state saved in {tmp_path / 't' / 'ckpt_target' / '1'}" in why
+
+    dcommon = ("--data", data_dir, "--target", tiny_pair / "target", "--out", tmp_path / "d")
+    assert "--gamma must be a finite number > 0, got 0.0" in refusal("train_drafter.py", *dcommon, "--gamma", 0)
+    assert "--eval-budget must be >= 1, got 0" in refusal("train_drafter.py", *dcommon, "--eval-budget", 0)
+    why = refusal("train_drafter.py", *dcommon, "--init", tiny_pair / "target")
+    assert f"error: --init {tiny_pair / 'target'}: " in why
+    why = refusal("train_drafter.py", "--data", data_dir, "--target", drafter, "--out", tmp_path / "d")
+    assert f"error: --target {drafter}: model_type 'qwen3'" in why
+
+
+def test_train_drafter_refuses_distillation_data_it_was_not_asked_for(tmp_path):
+    """--out's distill.npy was trained on whatever it held: another run's (other --prompts /
+    --gen-len, another target's vocabulary), or, cut short by a kill mid-write, a numpy traceback."""
+    import argparse
+
+    td = _experiment("train_drafter")
+    path, starts = str(tmp_path / "distill.npy"), str(tmp_path / "distill_prompt_lens.npy")
+    td.save_atomically(starts, np.asarray([8, 8, 12, 12]))
+    td.save_atomically(path, np.arange(4 * 20).reshape(4, 20) % 50)
+    assert sorted(os.listdir(tmp_path)) == ["distill.npy", "distill_prompt_lens.npy"]
+    args = argparse.Namespace(prompts=4, prompt_len=[8, 12], gen_len=8)
+    counts = np.asarray([2, 2])
+    seqs, lens = td.reuse_distilled(path, starts, args, counts, 50)
+    assert seqs.shape == (4, 20) and lens.tolist() == [8, 8, 12, 12]
+    with pytest.raises(SystemExit, match=r"holds sequences of shape \(4, 20\).*not the \(4, 24\) of .*--gen-len 12"):
+        td.reuse_distilled(path, starts, argparse.Namespace(prompts=4, prompt_len=[8, 12], gen_len=12), counts, 50)
+    with pytest.raises(SystemExit, match="token ids outside the target's vocabulary of 40"):
+        td.reuse_distilled(path, starts, args, counts, 40)
+    with open(path, "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(SystemExit, match=r"distill\.npy cannot be read .*remove .* to distill anew"):
+        td.reuse_distilled(path, starts, args, counts, 50)
+
+
 def test_train_step_cost_script_times_the_step_and_both_expert_paths(tmp_path):
     out = tmp_path / "cost.json"
     proc = run_script("train_step_cost.py", "--preset", "tiny", "--batch", 2, "--seq", 16, "--reps", 1, "--out", out)

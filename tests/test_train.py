@@ -236,3 +236,32 @@ def test_sample_anchors_per_row_lower_bounds():
     assert train.sample_anchors(rng, 2, 4, 7, 7).tolist() == [[7] * 4] * 2
     with pytest.raises(ValueError, match="low=30 > high=25"):
         train.sample_anchors(rng, 2, 4, np.asarray([0, 30]), 25)
+
+
+def test_restore_latest_names_a_damaged_or_foreign_state(tmp_path):
+    """A resumed run met orbax's own errors: another run's state (another preset) was a shape
+    ValueError naming no folder, a step folder whose arrays are gone 'Must provide `args` of type
+    `Composite`', a truncated array file a bare Exception carrying TensorStore's spec."""
+    import shutil
+
+    from ddtree_jax.hf import CheckpointError
+
+    def state(width):
+        params = {"w": jnp.ones((2, width)), "b": jnp.zeros(width)}
+        return train.TrainState(step=jnp.asarray(3, jnp.int32), params=params, opt_state=())
+
+    manager = train.checkpoint_manager(str(tmp_path / "ck"))
+    train.save_state(manager, state(4))
+    manager.wait_until_finished()
+    restored = train.restore_latest(train.checkpoint_manager(str(tmp_path / "ck")), state(4))
+    assert int(restored.step) == 3 and restored.params["w"].shape == (2, 4)
+    with pytest.raises(CheckpointError, match=r"saved in .*ck/3 cannot be restored \(.*shape.*another run"):
+        train.restore_latest(train.checkpoint_manager(str(tmp_path / "ck")), state(5))
+    biggest = max((p for p in (tmp_path / "ck" / "3").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"saved in .*ck/3 cannot be restored.*damaged") as error:
+        train.restore_latest(train.checkpoint_manager(str(tmp_path / "ck")), state(4))
+    assert "TensorStore" not in str(error.value)  # its spec, cut mid-way, named nothing
+    shutil.rmtree(tmp_path / "ck" / "3" / "default")
+    with pytest.raises(CheckpointError, match=r"saved in .*ck/3 cannot be restored.*damaged"):
+        train.restore_latest(train.checkpoint_manager(str(tmp_path / "ck")), state(4))
