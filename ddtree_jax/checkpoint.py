@@ -125,15 +125,24 @@ def save_hf(
 
 
 def save_checkpoint(params: TargetParams, path: str | os.PathLike) -> None:
-    """Saves params with orbax under `path/params` and the config as `path/config.json`."""
+    """Saves params with orbax under `path/params` and the config as `path/config.json`.
+
+    Over an earlier checkpoint, its config.json is removed first and the new one written last
+    (through a temporary file): a save cut short leaves no config (restore says so), never one
+    checkpoint's config beside another's params, which restore would take when the shapes agree.
+    """
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(params.config.to_hf_config(), f, indent=2)
+    config = os.path.join(path, "config.json")
+    if os.path.exists(config):
+        os.remove(config)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), serialization.to_state_dict(params), force=True)
+    with open(config + ".tmp", "w") as f:
+        json.dump(params.config.to_hf_config(), f, indent=2)
+    os.replace(config + ".tmp", config)
 
 
 def _stored_dtypes(metadata) -> dict[str, Any]:

@@ -420,7 +420,11 @@ class TargetConfig:
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> TargetConfig:
         """Reads an HF `config.json` file (see `from_hf_config`)."""
-        return cls.from_hf_config(read_json(path))
+        hf = read_json(path)  # its own errors name the file
+        try:
+            return cls.from_hf_config(hf)
+        except ConfigError as e:  # the field named, and the file: a drafter's given as a target's, ...
+            raise ConfigError(f"{os.fspath(path)}: {e}") from None
 
 
 def parse_rope(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnConfig | None]:

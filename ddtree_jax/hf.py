@@ -445,10 +445,26 @@ def _is_list(x) -> bool:
 
 
 def write(path: str, config: dict, tensors: Iterator[tuple[str, np.ndarray]], max_shard_bytes: int | None) -> None:
-    """Writes config.json and the tensors, split into files (plus an index) above `max_shard_bytes`."""
+    """Writes config.json and the tensors, split into files (plus an index) above `max_shard_bytes`.
+
+    Over an earlier checkpoint, what a write puts there (config.json, the index, model.safetensors,
+    model-*-of-*.safetensors) is removed first, and config.json is written last: a sharded
+    checkpoint's index outlived a one-file save over it, so the old weights were read under the
+    new config; a write cut short leaves no config.json, never a config beside other weights.
+    """
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
+    config_path = os.path.join(path, "config.json")
+    earlier = [config_path, os.path.join(path, INDEX_FILE), os.path.join(path, "model.safetensors")]
+    for file in earlier + glob.glob(os.path.join(path, "model-*-of-*.safetensors")):
+        if os.path.exists(file):
+            os.remove(file)
+    _write_tensors(path, tensors, max_shard_bytes)
+    with open(config_path + ".tmp", "w") as f:
         json.dump(config, f, indent=2)
+    os.replace(config_path + ".tmp", config_path)
+
+
+def _write_tensors(path: str, tensors: Iterator[tuple[str, np.ndarray]], max_shard_bytes: int | None) -> None:
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, a in tensors:

@@ -5,6 +5,7 @@ batches), one jitted step; every 25 steps the metrics go to the history and the
 progress bar; every `eval_every` steps (and at the end) `evaluate` runs and its row
 is printed as JSON; every `save_every` steps (and at the end) the orbax state is
 saved. The run ends at `steps` or once `max_minutes` have passed since `t_start`.
+A resumed run's metrics file covers the steps before it too (`earlier_metrics`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -77,6 +79,27 @@ def resume(manager, state: train.TrainState) -> train.TrainState:
         return state
     print(f"resumed at step {int(restored.step)}")
     return restored
+
+
+def earlier_metrics(path: str, step: int) -> tuple[list[dict], list[dict]]:
+    """(history, evals) that an earlier run of this --out wrote to its metrics file `path`, up to
+    `step`, the step this run resumes at; ([], []) when it starts afresh or there is none.
+
+    A resumed run used to write only its own steps' rows, so the file of a run finished over
+    several calls lost the earlier evaluations (and a re-run of a finished one wrote none), and
+    the best-so-far export restarted from nothing.
+    """
+    if step == 0 or not os.path.exists(path):
+        return [], []
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        history = [h for h in old["history"] if h["step"] <= step]
+        evals = [e for e in old["evals"] if e["step"] <= step]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"warning: {path} cannot be read ({e!r}); the metrics written now start at step {step}")
+        return [], []
+    return history, evals
 
 
 def run(

@@ -256,6 +256,9 @@ def main():
     state = train.init_state(params, opt)
     manager = train.checkpoint_manager(os.path.abspath(os.path.join(args.out, "ckpt_drafter")))
     state = _loop.resume(manager, state)
+    metrics_path = os.path.join(args.out, "drafter_metrics.json")
+    resumed_at = int(state.step)
+    prior_history, prior_evals = _loop.earlier_metrics(metrics_path, resumed_at)
     step_fn = jax.jit(
         functools.partial(
             train.drafter_train_step, optimizer=opt, gamma=args.gamma, distill_weight=args.distill_weight
@@ -266,7 +269,7 @@ def main():
     def export(params, path):
         dflash.save_drafter_hf(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), path)
 
-    best = {"tau_dflash": -1.0}
+    best = {"tau_dflash": max([e["tau_dflash"] for e in prior_evals], default=-1.0)}
 
     def evaluate(state):
         d = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state.params)
@@ -302,6 +305,7 @@ def main():
         save_every=args.eval_every,
         postfix=lambda m: {"loss": f"{m['loss']:.3f}", "acc": f"{m['chain_accept']:.2f}"},
     )
+    history, evals = prior_history + history, prior_evals + evals
     export(state.params, os.path.join(args.out, "drafter"))
     plot(history, evals, os.path.join(args.out, "drafter_loss.png"))
     summary = {
@@ -311,13 +315,14 @@ def main():
         "steps_done": int(state.step),
         "distill_shape": list(seqs.shape),
         "distill_time_s": distill_time,
-        "train_time_s": train_time,
+        "resumed_at_step": resumed_at,
+        "train_time_s": train_time,  # this call's steps (from resumed_at_step)
         "device": jax.devices()[0].device_kind,
         "evals": evals,
         "best_eval": max(evals, key=lambda e: e["tau_dflash"]) if evals else None,
         "history": history,
     }
-    with open(os.path.join(args.out, "drafter_metrics.json"), "w") as f:
+    with open(metrics_path, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"done: {int(state.step)} steps in {train_time:.0f}s; last eval {evals[-1] if evals else None}")
 

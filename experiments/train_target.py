@@ -224,6 +224,9 @@ def main():
     state = train.init_state(params, opt)
     manager = train.checkpoint_manager(os.path.abspath(os.path.join(args.out, "ckpt_target")))
     state = _loop.resume(manager, state)
+    metrics_path = os.path.join(args.out, "target_metrics.json")
+    resumed_at = int(state.step)
+    prior_history, prior_evals = _loop.earlier_metrics(metrics_path, resumed_at)
 
     # The --init weights, frozen: a copy (the step donates the state's buffers), passed as an
     # argument (closed over, jit would bake them into the program as constants).
@@ -265,7 +268,7 @@ def main():
             quantized = model.quantize_experts(params, group_size=args.int4_experts)
             checkpoint.save_hf(quantized, os.path.join(args.out, f"{name}_int4"), max_shard_bytes=12 * 2**20)
 
-    best = {"val_loss": float("inf")}
+    best = {"val_loss": min([e["val_loss"] for e in prior_evals], default=float("inf"))}
 
     def evaluate(state):
         vl = float(np.mean([float(val_loss(state.params, jnp.asarray(b))) for b in val_batches]))
@@ -302,6 +305,7 @@ def main():
         },
         before_step=None if own is None else own.refresh,
     )
+    history, evals = prior_history + history, prior_evals + evals
     export(state.params, "target")
     plot(
         history,
@@ -314,14 +318,15 @@ def main():
         "args": vars(args),
         "steps_done": int(state.step),
         "tokens_seen": int(state.step) * args.batch * args.seq,
-        "train_time_s": train_time,
+        "resumed_at_step": resumed_at,
+        "train_time_s": train_time,  # this call's steps (from resumed_at_step)
         "device": jax.devices()[0].device_kind,
         "final_val": evals[-1] if evals else None,
         "best_val": min(evals, key=lambda e: e["val_loss"]) if evals else None,
         "evals": evals,
         "history": history,
     }
-    with open(os.path.join(args.out, "target_metrics.json"), "w") as f:
+    with open(metrics_path, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"done: {int(state.step)} steps in {train_time:.0f}s; final {evals[-1] if evals else None}")
 

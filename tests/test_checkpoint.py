@@ -27,9 +27,46 @@ def test_hf_round_trip(params, tmp_path, fused, shard):
     assert same(checkpoint.load_target(tmp_path), params)
 
 
+def test_a_save_over_another_checkpoint_leaves_none_of_its_files(params, tmp_path):
+    """A one-file save over a sharded checkpoint left its index, which the loader follows: the
+    old shards' weights came back under the new config, with no error (same shapes)."""
+    checkpoint.save_hf(random_target(tiny(), seed=12), tmp_path, max_shard_bytes=50_000)
+    checkpoint.save_hf(params, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert same(checkpoint.load_target(tmp_path), params)
+    checkpoint.save_hf(params, tmp_path, max_shard_bytes=50_000)  # and back: no model.safetensors left
+    assert "model.safetensors" not in os.listdir(tmp_path)
+    assert same(checkpoint.load_target(tmp_path), params)
+
+
 def test_orbax_round_trip(params, tmp_path):
     checkpoint.save_checkpoint(params, tmp_path / "ck")
     assert same(checkpoint.restore_checkpoint(tmp_path / "ck"), params)
+
+
+def test_an_orbax_save_cut_short_leaves_no_config_beside_old_params(params, tmp_path, monkeypatch):
+    """config.json was written before the params: a save over another checkpoint that died in
+    between left the new config beside the old params, restored without a word where the shapes
+    agree (here only rope_theta differs)."""
+    import dataclasses
+
+    import orbax.checkpoint as ocp
+
+    checkpoint.save_checkpoint(params, tmp_path / "ck")
+    other = params.replace(config=dataclasses.replace(params.config, rope_theta=params.config.rope_theta * 2))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(other, tmp_path / "ck")
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        checkpoint.restore_checkpoint(tmp_path / "ck")
+    monkeypatch.undo()
+    checkpoint.save_checkpoint(other, tmp_path / "ck")
+    assert checkpoint.restore_checkpoint(tmp_path / "ck").config == other.config
+    assert sorted(os.listdir(tmp_path / "ck")) == ["config.json", "params"]
 
 
 def test_bf16_load_and_cast(params, tmp_path):

@@ -125,8 +125,7 @@ def test_train_target_exports_int4_experts_and_starts_from_an_export(data_dir, t
 
 def test_train_drafter_resumes_a_drafter_with_a_sliding_window(data_dir, tiny_pair, tmp_path):
     out = tmp_path / "run"
-    proc = run_script(
-        "train_drafter.py",
+    args = (
         *("--data", data_dir, "--target", tiny_pair / "target", "--out", out),
         *("--init", tiny_pair / "drafter", "--sliding-window", 64),
         *("--prompts", 4, "--prompt-len", 48, 64, "--gen-len", 40, "--gen-batch", 4),
@@ -134,6 +133,7 @@ def test_train_drafter_resumes_a_drafter_with_a_sliding_window(data_dir, tiny_pa
         *("--eval-every", 2, "--eval-prompts", 2, "--eval-prompt-len", 96, "--distill-weight", 0.5),
         *("--sample-fraction", 0.5),
     )
+    proc = run_script("train_drafter.py", *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Two prompt lengths, two rows each, every row 64 + 40 long (the short prompts continue further).
     assert np.load(out / "distill_prompt_lens.npy").tolist() == [48, 48, 64, 64]
@@ -157,6 +157,26 @@ def test_train_drafter_resumes_a_drafter_with_a_sliding_window(data_dir, tiny_pa
     assert [e["step"] for e in metrics["evals"]] == [2]
     assert metrics["evals"][0]["tau_dflash"] >= 1.0 and metrics["evals"][0]["tau_ddtree_t1"] >= 1.0
     assert (out / "drafter_best" / "config.json").exists()
+    # Run again into the same --out: it resumes at its end, and the metrics keep the first call's
+    # evaluations (they were rewritten empty).
+    again = run_script("train_drafter.py", *args)
+    assert again.returncode == 0 and "resumed at step 2" in again.stdout, again.stderr[-3000:]
+    with open(out / "drafter_metrics.json") as f:
+        kept = json.load(f)
+    assert kept["evals"] == metrics["evals"] and kept["resumed_at_step"] == 2 and kept["steps_done"] == 2
+
+
+def test_earlier_metrics_keep_a_resumed_runs_rows(tmp_path):
+    loop = _experiment("_loop")
+    path = tmp_path / "m.json"
+    assert loop.earlier_metrics(str(path), 4) == ([], [])  # none written yet
+    rows = {"history": [{"step": s, "loss": 1.0 / s} for s in (25, 50)], "evals": [{"step": 25}, {"step": 50}]}
+    path.write_text(json.dumps(rows))
+    assert loop.earlier_metrics(str(path), 0) == ([], [])  # a fresh start overwrites them
+    assert loop.earlier_metrics(str(path), 30) == (rows["history"][:1], rows["evals"][:1])  # past 30: redone
+    assert loop.earlier_metrics(str(path), 50) == (rows["history"], rows["evals"])
+    path.write_text("{not json")
+    assert loop.earlier_metrics(str(path), 50) == ([], [])
 
 
 def test_train_drafter_rejects_a_window_below_the_block(data_dir, tmp_path):
@@ -183,7 +203,7 @@ def test_training_scripts_refuse_bad_numbers_and_foreign_checkpoints(data_dir, t
         assert message in refusal("train_target.py", *common, flag, value)
     drafter = os.path.join(REPO, "checkpoints", "drafter")
     why = refusal("train_target.py", *common, "--init", drafter)
-    assert f"error: --init {drafter}: model_type 'qwen3' is not supported" in why
+    assert f"error: --init {drafter}: {drafter}/config.json: model_type 'qwen3' is not supported" in why
     # Another preset's state where this run would resume.
     other = train.TrainState(step=jnp.asarray(1, jnp.int32), params={"w": jnp.ones(3)}, opt_state=())
     train.save_state(manager := train.checkpoint_manager(str(tmp_path / "t" / "ckpt_target")), other)
@@ -197,7 +217,7 @@ def test_training_scripts_refuse_bad_numbers_and_foreign_checkpoints(data_dir, t
     why = refusal("train_drafter.py", *dcommon, "--init", tiny_pair / "target")
     assert f"error: --init {tiny_pair / 'target'}: " in why
     why = refusal("train_drafter.py", "--data", data_dir, "--target", drafter, "--out", tmp_path / "d")
-    assert f"error: --target {drafter}: model_type 'qwen3'" in why
+    assert f"error: --target {drafter}: {drafter}/config.json: model_type 'qwen3'" in why
 
 
 def test_train_drafter_refuses_distillation_data_it_was_not_asked_for(tmp_path):

@@ -373,7 +373,11 @@ class DrafterConfig:
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> DrafterConfig:
         """Reads a DFlash `config.json` file (see `from_hf_config`)."""
-        return cls.from_hf_config(read_json(path))
+        hf = read_json(path)  # its own errors name the file
+        try:
+            return cls.from_hf_config(hf)
+        except ConfigError as e:  # the field named, and the file: a drafter's given as a target's, ...
+            raise ConfigError(f"{os.fspath(path)}: {e}") from None
 
     def check_compatible(self, target: TargetConfig) -> None:
         """Raises ConfigError if this drafter cannot run on `target`, naming the first mismatch
