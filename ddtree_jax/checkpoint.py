@@ -212,7 +212,12 @@ def restore_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, check_fini
     except CheckpointError:
         raise
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: stored params do not match its config.json ({e})") from None
+        if "NOT_FOUND" in str(e):  # a file of the array store is gone: not a config mismatch
+            raise CheckpointError(
+                f"{path}: its stored arrays cannot be read (a file is missing: incomplete or corrupt? "
+                f"{hf.orbax_error(e)})"
+            ) from None
+        raise CheckpointError(f"{path}: stored params do not match its config.json ({hf.orbax_error(e)})") from None
     except Exception as e:  # orbax / TensorStore raise bare Exceptions for unreadable array files
         raise CheckpointError(
             f"{path}: its stored arrays cannot be read (truncated or corrupt? {hf.orbax_error(e)})"

@@ -146,6 +146,11 @@ def test_orbax_arrays_unreadable_or_unplaced_are_named(params, tmp_path):
     biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="its stored arrays cannot be read"):
         checkpoint.restore_checkpoint(tmp_path / "ck")
+    # The array store's manifest gone: said "stored params do not match its config.json".
+    checkpoint.save_checkpoint(params, tmp_path / "ck")
+    os.remove(tmp_path / "ck" / "params" / "manifest.ocdbt")
+    with pytest.raises(CheckpointError, match=r"its stored arrays cannot be read \(a file is missing"):
+        checkpoint.restore_checkpoint(tmp_path / "ck")
     checkpoint.save_checkpoint(params, tmp_path / "tie")
     cfg = json.loads((tmp_path / "tie" / "config.json").read_text())
     (tmp_path / "tie" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
