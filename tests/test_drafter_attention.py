@@ -142,6 +142,13 @@ def test_dispatch():
         drafter_attention(*case(rng, 1, 4, 3, 2, 16, 32, [5], [5]), window=8, causal=True)
     with pytest.raises(ValueError, match="block_k must be >= 16"):
         DrafterAttentionTiles(block_k=8)
+    with pytest.raises(ValueError, match=r"q must have 4 dimensions, got shape \(16, 4, 24\)"):
+        drafter_attention(args[0][0], *args[1:], window=8, causal=True)
+    # A block of no tokens: zeros on every path (the kernel's padding of the block failed on it).
+    empty = case(rng, 2, 0, 4, 2, 16, 32, [5, 9], [5, 9])
+    for impl in ("xla", "pallas", "auto"):
+        got = drafter_attention(*empty, window=8, causal=True, implementation=impl)
+        assert got.shape == (2, 0, 4, 16), impl
 
 
 def test_auto_rule():

@@ -43,6 +43,19 @@ def test_pallas_means_the_xla_path_for_attention():
     _greedy_ar_and_ddtree_match_xla(random_target(tiny(), seed=2), "pallas", max_new_tokens=6)
 
 
+def test_ranks_are_named_and_no_queries_give_zeros():
+    """A q_lat of the wrong rank is named; no new tokens give an empty result on every path
+    ("exact" failed on them: a max over no keys)."""
+    rng = np.random.default_rng(2)
+    args = case(rng, 2, 0, 2, 8, 4, 6, [3, 6], jnp.ones((2, 0, 0), bool))
+    positions = jnp.zeros((2, 0), jnp.int32)
+    for impl in ("xla", "exact", "pallas", "auto"):
+        got = mla_attention(*args, scale=0.5, implementation=impl, positions=positions)
+        assert got.shape == (2, 0, 2, 8) and got.dtype == jnp.float32, impl
+    with pytest.raises(ValueError, match=r"q_lat must have 4 dimensions, got shape \(0, 2, 8\)"):
+        mla_attention(args[0][0], *args[1:], scale=0.5)
+
+
 def _greedy_ar_and_ddtree_match_xla(params, implementation, max_new_tokens):
     """Greedy AR and DDTree (oracle drafter) with `implementation` give the XLA path's tokens."""
     from ddtree_jax.drafters import OracleDrafter

@@ -83,6 +83,36 @@ def test_dropped_pairs_cost_nothing_and_count_zero():
     np.testing.assert_array_equal(block_expert, [2, -1, -1, -1])  # dropped pairs: blocks 1-2, skipped
 
 
+def test_ids_past_the_experts_are_dropped_like_negative_ones():
+    """An id >= E drops its pair on the kernel path as on the XLA path and in the reference (it
+    fell outside the layout's bincount: NaN rows)."""
+    x, idx, w, gate, up, down = case(6, 4, 4, 16, 8, k=2)
+    bad = idx.at[0, 0].set(4).at[2, 1].set(99)
+    want = moe_experts_reference(x, jnp.where(bad >= 4, 0, bad), jnp.where(bad >= 4, 0.0, w), gate, up, down)
+    for impl in ("xla", "pallas"):
+        got = moe_experts(x, bad, w, gate, up, down, implementation=impl)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=impl)
+    _, block_expert = group_by_expert(jnp.asarray([[4, 2], [7, -1]], jnp.int32), 4, 2)
+    np.testing.assert_array_equal(block_expert, [2, -1, -1, -1])
+
+
+def test_dispatch_checks_ranks_and_widths_and_takes_no_pairs():
+    """Wrong ranks and a gate of another H are named (the kernel ran such a gate silently);
+    no tokens or no experts a token give zeros on every path (the interpreter failed on them)."""
+    x, idx, w, gate, up, down = case(7, 4, 4, 16, 8)
+    with pytest.raises(ValueError, match=r"x must have 2 dimensions, got shape \(16,\)"):
+        moe_experts(x[0], idx, w, gate, up, down)
+    with pytest.raises(ValueError, match=r"idx must have 2 dimensions, got shape \(1, 4, 2\)"):
+        moe_experts(x, idx[None], w, gate, up, down)
+    for impl in ("xla", "pallas"):
+        with pytest.raises(ValueError, match=r"gate of shape \(4, 12, 8\) does not take x of shape \(4, 16\)"):
+            moe_experts(x, idx, w, gate[:, :12], up, down, implementation=impl)
+    for impl in ("xla", "pallas", "mosaic", "auto"):
+        for t, k in ((0, 2), (4, 0)):
+            got = moe_experts(x[:t], idx[:t, :k], w[:t, :k], gate, up, down, implementation=impl)
+            assert got.shape == (t, 16) and not got.any(), impl
+
+
 def test_row_block_bound_is_reached():
     """One token on 8 distinct experts with 16-row blocks needs all 8 = (8 + 8 * 15) // 16 blocks."""
     _, block_expert = group_by_expert(jnp.arange(8, dtype=jnp.int32)[None] * 5, 48, 16)

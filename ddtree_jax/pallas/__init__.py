@@ -50,6 +50,12 @@ def check_implementation(implementation: str, available: tuple[str, ...], op: st
         )
 
 
+def check_rank(op: str, name: str, array, rank: int) -> None:
+    """Raises ValueError naming `name` and its shape unless `array` has `rank` dimensions."""
+    if len(array.shape) != rank:
+        raise ValueError(f"{op}: {name} must have {rank} dimensions, got shape {tuple(array.shape)}")
+
+
 def check_tiles(**tiles: int) -> None:
     """Raises ValueError naming the first tile size that is not a power of two (Triton blocks must be)."""
     for name, size in tiles.items():

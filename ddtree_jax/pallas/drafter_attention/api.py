@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas import check_implementation, check_rank
 from ddtree_jax.pallas.drafter_attention.kernel import (
     SPLIT_MIN_SLOTS,
     SPLIT_PROGRAMS,
@@ -123,6 +124,8 @@ def drafter_attention(
       The attention output per query head.
     """
     check_implementation(implementation, AVAILABLE, "drafter_attention")
+    check_rank("drafter_attention", "q", q, 4)
+    check_rank("drafter_attention", "k_ctx", k_ctx, 4)
     b, t, nq, hd = q.shape
     s, nkv = k_ctx.shape[1], k_ctx.shape[2]
     chex.assert_shape([k_ctx, v_ctx], (b, s, nkv, hd))
@@ -131,6 +134,8 @@ def drafter_attention(
     chex.assert_shape(positions, (b, t))
     if nq % nkv:
         raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
+    if q.size == 0:  # no queries: the kernel's padding of the block has no edge to repeat
+        return jnp.zeros(q.shape, q.dtype)
     on_gpu = jax.default_backend() == "gpu"
     mesh = sharding.context_mesh()
     args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)

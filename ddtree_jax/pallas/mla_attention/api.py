@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
+from ddtree_jax.pallas import check_implementation, check_rank, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.mla_attention.exact import mla_attention_exact
 from ddtree_jax.pallas.mla_attention.mosaic import (
     MosaicMLATiles,
@@ -101,6 +101,8 @@ def mla_attention(
       cache is split by sequence: the heads travel back in it).
     """
     check_implementation(implementation, AVAILABLE, "mla_attention")
+    check_rank("mla_attention", "q_lat", q_lat, 4)
+    check_rank("mla_attention", "cache_ckv", cache_ckv, 3)
     b, t, n, r = q_lat.shape
     s, p = cache_ckv.shape[1], q_pe.shape[-1]
     chex.assert_shape(q_pe, (b, t, n, p))
@@ -110,6 +112,8 @@ def mla_attention(
     chex.assert_shape(new_ckv, (b, t, r))
     chex.assert_shape(new_kpe, (b, t, p))
     chex.assert_shape(new_mask, (b, t, t))
+    if q_lat.size == 0:  # no queries (T, B or N of 0): "exact"'s reductions have no identity
+        return jnp.zeros(q_lat.shape, jnp.float32)
     args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
     if implementation == "auto":
         implementation = "mosaic" if on_hopper() and _mosaic_takes(q_lat, q_pe, cache_ckv) else "xla"

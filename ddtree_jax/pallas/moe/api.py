@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation, mosaic_interpret, on_hopper
+from ddtree_jax.pallas import check_implementation, check_rank, mosaic_interpret, on_hopper
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla, moe_pairs_in_tiles
@@ -96,6 +96,8 @@ def moe_experts(
     Returns:
       [T, H] in x's dtype.
     """
+    for name, a in (("x", x), ("idx", idx), ("w", w)):
+        check_rank("moe_experts", name, a, 2)
     if len(gate.shape) != 3 + (layer is not None):
         raise ValueError(
             f"moe_experts: gate of shape {gate.shape} with layer={layer}: [E, H, I] without a layer, [L, E, H, I] with one"
@@ -116,9 +118,13 @@ def moe_experts(
     chex.assert_shape(idx, (t, k))
     chex.assert_shape(w, (t, k))
     lead = gate.shape[:-3]
+    if gate.shape[-2] != h:  # up and down are checked against x below; gate alone was not
+        raise ValueError(f"moe_experts: gate of shape {gate.shape} does not take x of shape {x.shape} (H={h})")
     chex.assert_shape(up, (*lead, e, h, i))
     chex.assert_shape(down, (*lead, e, i, h))
     chex.assert_type(idx, jnp.int32)
+    if t * k == 0:  # no pairs: the kernels' grids would be empty (the interpreter failed on them)
+        return jnp.zeros_like(x)
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
         dropped = -1

@@ -8,7 +8,7 @@ Layout, in XLA (`group_by_expert`): the M pairs are sorted by expert and each
 expert's group is padded to a multiple of BM rows, so every row block belongs to
 one expert. The number of used blocks depends on the routing, so the grid uses the
 static bound NB = floor((M + min(E + 1, M) * (BM - 1)) / BM) (each non-empty group
-pads fewer than BM rows; group E holds dropped pairs, idx < 0, such as the experts
+pads fewer than BM rows; group E holds dropped pairs, ids outside [0, E), such as the experts
 of other shards under expert parallelism). `block_expert[b]` is block b's expert,
 or -1 for a block of dropped pairs or past the used ones. Token rows are scattered into this layout (padding rows are
 zero).
@@ -60,11 +60,17 @@ def num_row_blocks(pairs: int, num_experts: int, block_m: int) -> int:
     return (pairs + min(num_experts, pairs) * (block_m - 1)) // block_m
 
 
+def dropped(idx: jax.Array, num_experts: int) -> jax.Array:
+    """Which pairs the kernels drop: expert ids outside [0, num_experts)."""
+    return (idx < 0) | (idx >= num_experts)
+
+
 def group_by_expert(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
     """Rows of the expert-sorted, block-padded layout.
 
     Args:
-      idx: [T, K] int32 expert ids; a negative id drops the pair (no compute, weight 0).
+      idx: [T, K] int32 expert ids; an id outside [0, E) drops the pair (no compute, weight 0),
+        as on the XLA path.
       num_experts: E.
       block_m: rows per block (BM).
 
@@ -73,9 +79,10 @@ def group_by_expert(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax
       block_expert: [NB] int32, the expert of each row block, -1 past the used blocks.
     """
     pairs = idx.size
-    # Dropped pairs (idx < 0, e.g. experts on another shard) form one more group, E,
-    # whose blocks are marked -1 like unused ones: they are laid out but never computed.
-    flat = jnp.where(idx.reshape(-1) < 0, num_experts, idx.reshape(-1))  # [M]
+    # Dropped pairs (idx < 0, e.g. experts on another shard, or idx >= E) form one more group,
+    # E, whose blocks are marked -1 like unused ones: they are laid out but never computed.
+    # (An id >= E left as it was fell outside the bincount and broke the layout: NaN rows.)
+    flat = jnp.where(dropped(idx, num_experts).reshape(-1), num_experts, idx.reshape(-1))  # [M]
     nb = num_row_blocks(pairs, num_experts + 1, block_m)
     sizes = jnp.bincount(flat, length=num_experts + 1).astype(jnp.int32)  # [E + 1]
     blocks = pl.cdiv(sizes, block_m)  # [E + 1]
@@ -225,14 +232,14 @@ def moe_experts_pallas(
         interpret=interpret,
     )(block_expert, act, down)  # [NB * BM, H_pad]
 
-    return combine(ys, pos, idx, w, h, x.dtype)
+    return combine(ys, pos, idx, w, h, x.dtype, e)
 
 
-def combine(ys: jax.Array, pos: jax.Array, idx: jax.Array, w: jax.Array, h: int, dtype) -> jax.Array:
+def combine(ys: jax.Array, pos: jax.Array, idx: jax.Array, w: jax.Array, h: int, dtype, num_experts: int) -> jax.Array:
     """[T, H]: each token's K rows of the layout's output ys [NB * BM, >= H], weighted by w, summed in float32."""
     t, k = idx.shape
     y = ys[pos, :h].reshape(t, k, h).astype(jnp.float32)
     # Rows of dropped pairs were never written: select, not multiply (0 * garbage may be NaN).
-    y = jnp.where((idx >= 0)[..., None], y, 0.0)
+    y = jnp.where(dropped(idx, num_experts)[..., None], 0.0, y)
     # An elementwise sum, not an einsum: a float32 matmul could run in TF32 on the GPU.
     return jnp.sum(w.astype(jnp.float32)[..., None] * y, axis=1).astype(dtype)

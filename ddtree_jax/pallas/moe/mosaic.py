@@ -335,4 +335,4 @@ def moe_experts_mosaic(
     matmul = _grouped_matmul_ws if tiles.consumers else _grouped_matmul
     act = matmul(_swiglu, i, xs, (gate, up), block_expert, layer, tiles, interpret)  # [NB * BM, I]
     ys = matmul(lambda y: y, h, act, (down.astype(dtype),), block_expert, layer, tiles, interpret)  # [NB * BM, H]
-    return combine(ys, pos, idx, w, h, x.dtype)
+    return combine(ys, pos, idx, w, h, x.dtype, e)

@@ -419,4 +419,4 @@ def moe_experts_w4a16(
     matmul = _grouped_matmul_t_ws if tiles.consumers else _grouped_matmul_t
     act_t = matmul(_swiglu, xs, (gate, up), block_expert, layer, tiles, interpret)  # [NB, I, BT]
     ys_t = matmul(lambda y: y, act_t, (down,), block_expert, layer, tiles, interpret)  # [NB, H, BT]
-    return combine(jnp.swapaxes(ys_t, 1, 2).reshape(rows, h), pos, idx, w, h, x.dtype)
+    return combine(jnp.swapaxes(ys_t, 1, 2).reshape(rows, h), pos, idx, w, h, x.dtype, e)
