@@ -209,8 +209,29 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, r
     return PartitionSpec(*out)
 
 
+def check_rules(rules, mesh: Mesh) -> None:
+    """Raises ValueError naming a rule whose mesh axes `mesh` lacks (`spec_for` skips such an axis,
+    so a misspelt axis, or a mesh with other axis names, left every weight it names replicated, with
+    no word) or whose value is not a mesh axis name, a tuple of them or None."""
+    for name, rule in (RULES if rules is None else rules).items():
+        targets = (rule,) if isinstance(rule, str) else rule or ()
+        if not isinstance(targets, tuple | list) or not all(isinstance(a, str) for a in targets):
+            raise ValueError(f"sharding rule {name!r}: {rule!r} is not a mesh axis name, a tuple of them or None")
+        missing = [a for a in targets if a not in mesh.shape]
+        if missing:
+            raise ValueError(
+                f"sharding rule {name!r} -> {rule!r} names {missing[0]!r}, which is not an axis of the mesh "
+                f"(its axes: {tuple(mesh.axis_names)})"
+            )
+
+
 def shardings(params, axes, mesh: Mesh, rules=None):
-    """NamedShardings for every leaf of `params` from its logical axes `axes` (`logical_axes`)."""
+    """NamedShardings for every leaf of `params` from its logical axes `axes` (`logical_axes`).
+
+    Raises:
+      ValueError: a rule names an axis the mesh lacks (`check_rules`).
+    """
+    check_rules(rules, mesh)
     return jax.tree.map(lambda a, ax: NamedSharding(mesh, spec_for(ax, a.shape, mesh, rules)), params, axes)
 
 

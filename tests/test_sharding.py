@@ -372,6 +372,29 @@ def test_spec_keeps_undividable_dims_replicated():
         sharding.make_mesh(devices=[])
 
 
+def test_rules_naming_no_axis_of_the_mesh_are_refused():
+    """A misspelt mesh axis in custom rules was skipped: every weight it names stayed replicated,
+    with no word (the tokens were right; a full-size model would not fit)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from tests.conftest import random_target, tiny
+
+    tiny_params = random_target(tiny(), seed=5)
+
+    mesh = Mesh(np.array(__import__("jax").devices()[:1]).reshape(1, 1), sharding.MESH_AXES)
+    with pytest.raises(ValueError, match=r"rule 'heads' -> 'tensor' names 'tensor', which is not an axis .*'data'"):
+        sharding.shard_target(tiny_params, mesh, dict(sharding.RULES, heads="tensor"))
+    with pytest.raises(ValueError, match=r"rule 'cache_batch' -> \('data', 'modle'\) names 'modle'"):
+        sharding.shardings({}, {}, mesh, dict(sharding.RULES, cache_batch=("data", "modle")))
+    with pytest.raises(ValueError, match="rule 'experts': 3 is not a mesh axis name"):
+        sharding.shardings({}, {}, mesh, dict(sharding.RULES, experts=3))
+    other = Mesh(np.array(__import__("jax").devices()[:1]).reshape(1, 1), ("x", "y"))  # default rules name none
+    with pytest.raises(ValueError, match=r"names 'data', which is not an axis of the mesh \(its axes: \('x', 'y'\)\)"):
+        sharding.shard_target(tiny_params, other)
+    sharding.shard_target(tiny_params, mesh, dict(sharding.RULES, experts="data", heads=None))  # valid: placed
+
+
 def test_drafter_axes_fit():
 
     dcfg = dflash.drafter_config_for(config.KIMI_K2, num_hidden_layers=3)
