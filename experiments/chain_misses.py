@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 
+import _args
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +109,8 @@ def main():
         sys.exit(f"error: --max-new-tokens must be >= 2, got {args.max_new_tokens}")
     if args.num_prompts is not None and args.num_prompts < 1:
         sys.exit(f"error: --num-prompts must be >= 1, got {args.num_prompts}")
+    _args.at_least(ap, 1, prompt_len=args.prompt_len)
+    _args.out_file(ap, args.out)  # written at the end: a bad path lost the whole run
 
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.float32)

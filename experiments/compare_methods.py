@@ -15,11 +15,12 @@ import argparse
 import dataclasses
 import json
 
+import _args
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import checkpoint, compile_cache, config, model, sharding
+from ddtree_jax.checks import check_dtype
 from ddtree_jax.drafters import dflash
 from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
@@ -50,8 +51,19 @@ def main():
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    _args.methods(ap, args.methods)
+    if "ddtree" in args.methods:
+        _args.budgets(ap, args.budgets)
+    _args.at_least(ap, 1, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens)
+    _args.at_least(ap, 1, prompt_len=args.prompt_len, repeats=args.repeats, draft_layers=args.draft_layers)
+    _args.out_file(ap, args.out)
+    try:
+        dtype = check_dtype(args.dtype, "--dtype")
+    except ValueError as e:
+        ap.error(str(e))
+    if not args.target and args.preset not in config.PRESETS:
+        ap.error(f"unknown --preset {args.preset!r}; choose one of {sorted(config.PRESETS)}")
 
-    dtype = jnp.dtype(args.dtype)
     if args.target:
         target = checkpoint.load_target(args.target, dtype=dtype)
     else:

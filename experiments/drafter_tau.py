@@ -16,19 +16,31 @@ from __future__ import annotations
 import argparse
 import json
 
+import _args
 import jax.numpy as jnp
 
 from ddtree_jax import checkpoint, compile_cache, data, evaluation
+from ddtree_jax.checks import check_dtype
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
 
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """DIR or DIR@W -> (DIR, W or None); ValueError naming a W that is not an int >= 0."""
+    path, at, window = spec.partition("@")
+    if not at:
+        return path, None
+    if not window.isdigit():  # int() failed with a traceback only after the target loaded
+        raise ValueError(f"--drafters {spec!r}: the window after @ must be an int >= 0")
+    return path, int(window)
+
+
 def load(spec: str, dtype):
     """DIR or DIR@W -> DrafterParams (W: every layer slides with window W)."""
-    path, _, window = spec.partition("@")
+    path, window = parse_spec(spec)
     params = dflash.load_drafter(path, dtype=dtype)
-    if window:
-        params = params.replace(config=params.config.with_sliding_window(int(window)))
+    if window is not None:
+        params = params.replace(config=params.config.with_sliding_window(window))
     return params
 
 
@@ -46,6 +58,19 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    for spec in args.drafters:
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            ap.error(str(e))
+    _args.budgets(ap, args.budgets)
+    _args.at_least(ap, 1, prompt_lens=args.prompt_lens, num_prompts=args.num_prompts)
+    _args.at_least(ap, 1, max_new_tokens=args.max_new_tokens)
+    _args.out_file(ap, args.out)
+    try:
+        check_dtype(args.dtype, "--dtype")
+    except ValueError as e:
+        ap.error(str(e))
 
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.dtype(args.dtype))

@@ -26,16 +26,19 @@ import argparse
 import json
 import textwrap
 
+import _args
 import jax
 import jax.numpy as jnp
 import numpy as np
+from profile_round import in_loop  # a sibling script: `experiments.` needed the repo root on sys.path
 
 from ddtree_jax import compile_cache, decode, model, tree
 from ddtree_jax.cache import KVCache
+from ddtree_jax.checks import check_dtype
 from ddtree_jax.evaluation import first_difference
 from ddtree_jax.generate import CACHE_ALIGN, generate
+from ddtree_jax.numerics import NUMERICS
 from ddtree_jax.shipped import load_shipped
-from experiments.profile_round import in_loop
 
 
 def stdlib_ids(tokenizer) -> list[int]:
@@ -146,6 +149,17 @@ def main():
     ap.add_argument("--skip-logits", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    _args.at_least(ap, 1, context=args.context, loop_tokens=args.loop_tokens, check_tokens=args.check_tokens)
+    _args.budgets(ap, [args.budget], "--budget")
+    _args.out_file(ap, args.out)
+    for dtype in args.dtypes:
+        try:
+            check_dtype(dtype, "--dtypes")
+        except ValueError as e:
+            ap.error(str(e))
+    bad = [n for n in args.numerics if n not in (*NUMERICS, "default")]
+    if bad:
+        ap.error(f"--numerics: unknown {bad}; choose from {[*NUMERICS, 'default']}")
     rows = []
     for dtype in args.dtypes:
         shipped = load_shipped(args.checkpoints, dtype=dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 
@@ -282,9 +283,11 @@ def parse_args(argv=None):
     bad = [b for b in args.budgets if not 1 <= b <= MAX_BUDGET]
     if bad:
         ap.error(f"budgets must lie in [1, {MAX_BUDGET}], got {bad}")
-    bad = [t for t in args.temperatures if t < 0]
+    bad = [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]  # nan passed `t < 0`
     if bad:
-        ap.error(f"temperatures must be >= 0, got {bad}")
+        ap.error(f"temperatures must be finite and >= 0, got {bad}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # os.makedirs failed after the load
+        ap.error(f"--out {args.out!r} is a file, not a folder")
     args.budgets = sorted(set(args.budgets))
     args.block_sizes = sorted(set(args.block_sizes))
     args.temperatures = sorted(set(args.temperatures))

@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 
+import _args
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +150,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if any(lk < 1 for lk in args.lookup):
         ap.error(f"--lookup {args.lookup}: each chain length must be >= 1")
+    # --limit -1 ran all prompts but the last (prompts[:-1]), 0 all of them
+    _args.at_least(ap, 1, limit=args.limit, max_new_tokens=args.max_new_tokens)
+    _args.budgets(ap, args.budgets)  # checked only after the checkpoints loaded, as a traceback
+    _args.out_file(ap, args.out)
 
     shipped = load_shipped(args.checkpoints, dtype=args.dtype)
     target = shipped.target
