@@ -6,7 +6,6 @@ The HF names and layout of every weight are declared once in `model.declare`;
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -140,9 +139,7 @@ def save_checkpoint(params: TargetParams, path: str | os.PathLike) -> None:
         os.remove(config)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), serialization.to_state_dict(params), force=True)
-    with open(config + ".tmp", "w") as f:
-        json.dump(params.config.to_hf_config(), f, indent=2)
-    os.replace(config + ".tmp", config)
+    hf.write_json(config, params.config.to_hf_config())
 
 
 def _stored_dtypes(metadata) -> dict[str, Any]:

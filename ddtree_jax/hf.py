@@ -459,9 +459,14 @@ def write(path: str, config: dict, tensors: Iterator[tuple[str, np.ndarray]], ma
         if os.path.exists(file):
             os.remove(file)
     _write_tensors(path, tensors, max_shard_bytes)
-    with open(config_path + ".tmp", "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(config_path + ".tmp", config_path)
+    write_json(config_path, config)
+
+
+def write_json(path: str, obj) -> None:
+    """`obj` as JSON at `path`, through a temporary file: a write cut short leaves no partial file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def _write_tensors(path: str, tensors: Iterator[tuple[str, np.ndarray]], max_shard_bytes: int | None) -> None:

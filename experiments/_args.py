@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ddtree_jax.checks import check_dtype
 from ddtree_jax.generate import METHODS
 from ddtree_jax.tree import MAX_BUDGET
 
@@ -39,3 +40,11 @@ def out_file(ap: argparse.ArgumentParser, path: str | None) -> None:
     """Exits unless `path` (None: no --out) can be written as a file once the run is done."""
     if path is not None and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
         ap.error(f"--out {path!r} is not a file path in an existing folder")
+
+
+def dtype(ap: argparse.ArgumentParser, value: str, flag: str = "--dtype"):
+    """The jnp dtype `value` names (`checks.check_dtype`); exits naming an unsupported one."""
+    try:
+        return check_dtype(value, flag)
+    except ValueError as e:
+        ap.error(str(e))

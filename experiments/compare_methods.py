@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from ddtree_jax import checkpoint, compile_cache, config, model, sharding
-from ddtree_jax.checks import check_dtype
 from ddtree_jax.drafters import dflash
 from ddtree_jax.evaluation import time_call
 from ddtree_jax.generate import generate
@@ -57,10 +56,7 @@ def main():
     _args.at_least(ap, 1, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens)
     _args.at_least(ap, 1, prompt_len=args.prompt_len, repeats=args.repeats, draft_layers=args.draft_layers)
     _args.out_file(ap, args.out)
-    try:
-        dtype = check_dtype(args.dtype, "--dtype")
-    except ValueError as e:
-        ap.error(str(e))
+    dtype = _args.dtype(ap, args.dtype)
     if not args.target and args.preset not in config.PRESETS:
         ap.error(f"unknown --preset {args.preset!r}; choose one of {sorted(config.PRESETS)}")
 

@@ -20,7 +20,6 @@ import _args
 import jax.numpy as jnp
 
 from ddtree_jax import checkpoint, compile_cache, data, evaluation
-from ddtree_jax.checks import check_dtype
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
@@ -67,10 +66,7 @@ def main():
     _args.at_least(ap, 1, prompt_lens=args.prompt_lens, num_prompts=args.num_prompts)
     _args.at_least(ap, 1, max_new_tokens=args.max_new_tokens)
     _args.out_file(ap, args.out)
-    try:
-        check_dtype(args.dtype, "--dtype")
-    except ValueError as e:
-        ap.error(str(e))
+    _args.dtype(ap, args.dtype)
 
     tok = data.Tokenizer.load(args.tokenizer)
     target = checkpoint.load_target(args.target, dtype=jnp.dtype(args.dtype))

@@ -34,7 +34,6 @@ from profile_round import in_loop  # a sibling script: `experiments.` needed the
 
 from ddtree_jax import compile_cache, decode, model, tree
 from ddtree_jax.cache import KVCache
-from ddtree_jax.checks import check_dtype
 from ddtree_jax.evaluation import first_difference
 from ddtree_jax.generate import CACHE_ALIGN, generate
 from ddtree_jax.numerics import NUMERICS
@@ -153,10 +152,7 @@ def main():
     _args.budgets(ap, [args.budget], "--budget")
     _args.out_file(ap, args.out)
     for dtype in args.dtypes:
-        try:
-            check_dtype(dtype, "--dtypes")
-        except ValueError as e:
-            ap.error(str(e))
+        _args.dtype(ap, dtype, "--dtypes")
     bad = [n for n in args.numerics if n not in (*NUMERICS, "default")]
     if bad:
         ap.error(f"--numerics: unknown {bad}; choose from {[*NUMERICS, 'default']}")

@@ -26,6 +26,7 @@ import math
 import os
 import sys
 
+import _args
 import jax
 import numpy as np
 from tqdm import tqdm
@@ -34,7 +35,7 @@ from ddtree_jax import compile_cache
 from ddtree_jax.evaluation import Totals, bucket, prompt_set, time_call
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
-from ddtree_jax.tree import MAX_BUDGET, check_tree_temperature
+from ddtree_jax.tree import check_tree_temperature
 
 BUCKET = 128
 CSV_FIELDS = (
@@ -280,9 +281,7 @@ def parse_args(argv=None):
         check_tree_temperature(args.tree_temperature)
     except ValueError:
         ap.error(f"--tree-temperature must be finite and > 0, got {args.tree_temperature}")
-    bad = [b for b in args.budgets if not 1 <= b <= MAX_BUDGET]
-    if bad:
-        ap.error(f"budgets must lie in [1, {MAX_BUDGET}], got {bad}")
+    _args.budgets(ap, args.budgets)
     bad = [t for t in args.temperatures if not (math.isfinite(t) and t >= 0)]  # nan passed `t < 0`
     if bad:
         ap.error(f"temperatures must be finite and >= 0, got {bad}")

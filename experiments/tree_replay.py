@@ -160,8 +160,6 @@ def main(argv=None):
     drafter = DFlashDrafter(params=shipped.drafter, block_size=shipped.drafter.config.block_size)
     depths = drafter.block_size - 1
     policies = {p: depth_temperatures(p, depths) for p in args.policies}
-    for b in args.budgets:
-        trees.check_budget(b)
     prompts = prompt_set(args.prompts, shipped.tokenizer, args.data, args.limit)
     lookups = [0, *args.lookup]
     rounds = {(b, p, lk): 0 for b in args.budgets for p in policies for lk in lookups}
