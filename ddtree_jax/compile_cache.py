@@ -15,6 +15,16 @@ program without tracing it.
 Entries are pickled executables, loaded as code: as with jax's own cache, whoever can write to
 the folder can run code in the processes that use it.
 
+On the GPU most of a cold compile is XLA autotuning its Triton GEMM fusions (each candidate
+tiling compiled and timed). XLA keeps what it picks per fusion in
+`<folder>/xla_gpu_per_fusion_autotune_cache_dir`, the folder jax's own cache gives it, and
+`generate`'s compiles get the same folder. Before the first of them the results shipped with
+this package are extracted into it (`SHIPPED_AUTOTUNE`: the shipped pair's programs, tuned on
+the GPU models it names), so that a first compile of those programs on such a GPU skips the
+tuning.
+XLA keys each result by the GPU model, its own version and the fusion's HLO: any other
+fusion, GPU or XLA is tuned as before.
+
 Folder: `$DDTREE_JAX_CACHE` if set, else `~/.cache/ddtree_jax/xla`. Set `DDTREE_JAX_CACHE=off`
 to compile everything afresh. Entries are evicted least recently used beyond `MAX_BYTES`
 (executables: beyond `MAX_EXECUTABLE_BYTES`).
@@ -24,10 +34,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import hashlib
 import os
 import pickle
 import sys
+import tarfile
 import tempfile
 import time
 import warnings
@@ -49,11 +61,18 @@ MAX_EXECUTABLE_BYTES = 2 << 30
 """Disk bound of the serialized `generate` executables (least recently used go first)."""
 IN_MEMORY = 64
 """Executables kept in the process (least recently used dropped; `clear` drops all)."""
+AUTOTUNE_DIR = "xla_gpu_per_fusion_autotune_cache_dir"
+"""XLA's per-fusion autotuning results, in the cache folder (the name jax's own cache uses)."""
+SHIPPED_AUTOTUNE: str | None = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autotune")
+"""The folder of autotuning results shipped with the package (`.tar.gz` archives, one a GPU
+model, made by `experiments/compile_time.py --no-shipped-autotune --save-autotune`), extracted
+into the cache folder by `enable` (None: not, e.g. to time a compile without them)."""
 
 _OFF = ("", "0", "off", "none", "false")
 _executables_dir: str | None = None
 _loaded: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _source_digest: str | None = None
+_seeded: set[tuple[str, str]] = set()
 
 
 def cache_dir() -> str | None:
@@ -93,6 +112,80 @@ def enable(path: str | None = None, *, executables: bool = True) -> str | None:
     return configured
 
 
+def _autotune_enabled() -> bool:
+    """Whether jax's cache settings give XLA the per-fusion autotuning folder (the default)."""
+    flags = jax.config.jax_persistent_cache_enable_xla_caches or ""
+    return flags == "all" or AUTOTUNE_DIR in flags
+
+
+def seed_autotune(source: str, folder: str) -> int:
+    """Extracts the autotuning results of the `.tar.gz` archives in `source` that `folder`
+    lacks (XLA files each result under a folder named by its GPU model's hash); returns how many.
+
+    A result already in `folder` is kept (XLA wrote it on this machine). Each one is written
+    whole, then renamed, so that a concurrent compile never reads half a file. A missing
+    `source`, or a folder that cannot be written, extracts nothing.
+    """
+    copied, folder = 0, os.path.abspath(folder)
+    for archive in sorted(glob.glob(os.path.join(source, "*.tar.gz"))):
+        try:
+            with tarfile.open(archive) as tar:
+                for member in tar:
+                    target = os.path.normpath(os.path.join(folder, member.name))
+                    if not member.isfile() or not target.startswith(os.path.join(folder, "")):
+                        continue  # folders are made below; a path leaving `folder` is not followed
+                    if os.path.exists(target):
+                        continue
+                    _write_whole(target, tar.extractfile(member).read())
+                    copied += 1
+        except (OSError, tarfile.TarError) as e:  # a read-only or full disk, a damaged archive
+            warnings.warn(f"compile cache: autotuning results of {archive} not used ({e})", stacklevel=2)
+    return copied
+
+
+def save_autotune(folder: str, archive: str) -> int:
+    """Writes the autotuning results under `folder` into the `.tar.gz` `archive` (what
+    `SHIPPED_AUTOTUNE` holds, one archive a GPU model); returns how many."""
+    names = sorted(os.path.relpath(os.path.join(r, f), folder) for r, _, files in os.walk(folder) for f in files)
+    names = [n for n in names if not os.path.basename(n).startswith(".")]
+    os.makedirs(os.path.dirname(os.path.abspath(archive)), exist_ok=True)
+    with tarfile.open(archive + ".tmp", "w:gz") as tar:
+        for name in names:
+            info = tar.gettarinfo(os.path.join(folder, name), arcname=name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""  # the same bytes each time
+            with open(os.path.join(folder, name), "rb") as f:
+                tar.addfile(info, f)
+    os.replace(archive + ".tmp", archive)
+    return len(names)
+
+
+def _write_whole(path: str, data: bytes) -> None:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def compiler_options() -> dict[str, str]:
+    """XLA options for `generate`'s own compiles: on the GPU, the autotuning folder that
+    jax's cache would have given it (the executable cache compiles with jax's cache off),
+    with the shipped results extracted into it first (once a folder and process)."""
+    if _executables_dir is None or jax.default_backend() != "gpu" or not _autotune_enabled():
+        return {}
+    folder = os.path.join(os.path.dirname(_executables_dir), AUTOTUNE_DIR)
+    if SHIPPED_AUTOTUNE is not None and (SHIPPED_AUTOTUNE, folder) not in _seeded:
+        seed_autotune(SHIPPED_AUTOTUNE, folder)
+        _seeded.add((SHIPPED_AUTOTUNE, folder))
+    return {AUTOTUNE_DIR: folder}
+
+
 def clear() -> None:
     """`jax.clear_caches()`, and the executables this module holds in the process."""
     _loaded.clear()
@@ -127,7 +220,7 @@ def executable(jitted, args: tuple, static: dict[str, Any]) -> Callable[..., Any
     if compiled is None:
         t0 = time.perf_counter()
         with _without_jax_cache():
-            compiled = jitted.lower(*args, **static).compile()
+            compiled = jitted.lower(*args, **static).compile(compiler_options=compiler_options())
         if time.perf_counter() - t0 >= jax.config.jax_persistent_cache_min_compile_time_secs:
             _store(path, compiled)
     _loaded[fast] = compiled

@@ -146,10 +146,25 @@ def main():
         action="store_true",
         help="skip warm_jax and lower (their second full compile per program): cold, warm and run only",
     )
+    ap.add_argument(
+        "--no-shipped-autotune",
+        action="store_true",
+        help="start from an empty autotuning folder: without the results shipped in ddtree_jax/autotune "
+        "(compile_cache.SHIPPED_AUTOTUNE), every GEMM fusion is tuned (the cold compile before they were shipped)",
+    )
+    ap.add_argument(
+        "--save-autotune",
+        default=None,
+        metavar="FILE.tar.gz",
+        help="write the autotuning results of the run (XLA's per-fusion files) into this archive after each "
+        "program: with --no-shipped-autotune, what ddtree_jax/autotune ships, one archive a GPU model",
+    )
     _settings.add_argument(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     _settings.apply(args.set)
+    if args.no_shipped_autotune:
+        compile_cache.SHIPPED_AUTOTUNE = None
     if args.xla_flags:  # read when the backend starts: the first device use below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     with tempfile.TemporaryDirectory() as folder:
@@ -206,6 +221,11 @@ def main():
                 flush=True,
             )
             save(args, folder, rows)  # after each program: a later one may take the process down
+            if args.save_autotune:
+                saved = compile_cache.save_autotune(
+                    os.path.join(folder, compile_cache.AUTOTUNE_DIR), args.save_autotune
+                )
+                print(f"{saved} autotuning results in {args.save_autotune}", flush=True)
 
 
 def jax_cache_row(folder, call, s, drafter, ids, method, budget, kw) -> tuple[float, float]:
@@ -232,10 +252,16 @@ def save(args, folder: str, rows: list[dict]) -> None:
         "args": vars(args),
         "cache_entries": len([f for f in os.listdir(folder) if f.endswith("-cache")]),
         "executables": len(os.listdir(os.path.join(folder, "executables"))),
+        "autotune_entries": len(_listdir(os.path.join(folder, compile_cache.AUTOTUNE_DIR))),
+        "shipped_autotune": compile_cache.SHIPPED_AUTOTUNE is not None,
         "rows": rows,
     }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+
+
+def _listdir(folder: str) -> list[str]:
+    return os.listdir(folder) if os.path.isdir(folder) else []
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """`compile_cache.executable`: generate's whole executables on disk, keyed by what shapes them."""
 
+import io
 import os
+import tarfile
 
 import jax
 import numpy as np
@@ -113,3 +115,71 @@ def test_a_read_only_folder_warns_and_still_generates(params, folder, monkeypatc
 def test_off_without_enable(params, monkeypatch):
     monkeypatch.setattr(compile_cache, "_executables_dir", None)
     assert compile_cache.executable(jax.jit(lambda x: x), (np.ones(2),), {}) is None
+
+
+def test_shipped_autotuning_results_are_extracted_once_and_never_over_local_ones(tmp_path):
+    tuned, folder, shipped = tmp_path / "tuned", tmp_path / "cache" / compile_cache.AUTOTUNE_DIR, tmp_path / "shipped"
+    (tuned / "gpu").mkdir(parents=True)
+    (tuned / "gpu" / "a.pb").write_text("shipped a")
+    (tuned / "gpu" / "b.pb").write_text("shipped b")
+    assert compile_cache.save_autotune(str(tuned), str(shipped / "h100.tar.gz")) == 2
+    (folder / "gpu").mkdir(parents=True)
+    (folder / "gpu" / "b.pb").write_text("tuned here")
+    assert compile_cache.seed_autotune(str(shipped), str(folder)) == 1
+    assert (folder / "gpu" / "a.pb").read_text() == "shipped a"
+    assert (folder / "gpu" / "b.pb").read_text() == "tuned here"
+    assert sorted(os.listdir(folder / "gpu")) == ["a.pb", "b.pb"]  # no temporary left
+    assert compile_cache.seed_autotune(str(shipped), str(folder)) == 0
+    assert compile_cache.seed_autotune(str(tmp_path / "missing"), str(folder)) == 0
+    # The same results give the same archive, byte for byte (no times or owners in it).
+    first = (shipped / "h100.tar.gz").read_bytes()
+    compile_cache.save_autotune(str(tuned), str(shipped / "h100.tar.gz"))
+    assert (shipped / "h100.tar.gz").read_bytes() == first
+
+
+def test_a_damaged_or_escaping_archive_extracts_nothing_outside(tmp_path):
+    shipped, folder = tmp_path / "shipped", tmp_path / "cache"
+    shipped.mkdir()
+    with tarfile.open(shipped / "evil.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("../outside.pb")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    (shipped / "broken.tar.gz").write_bytes(b"not a tar")
+    with pytest.warns(UserWarning, match="broken.tar.gz"):
+        assert compile_cache.seed_autotune(str(shipped), str(folder)) == 0
+    assert not (tmp_path / "outside.pb").exists()
+
+
+def test_on_a_gpu_generate_compiles_with_the_folder_jax_gives_xla_seeded(tmp_path, monkeypatch):
+    (tmp_path / "tuned" / "gpu").mkdir(parents=True)
+    (tmp_path / "tuned" / "gpu" / "k.pb").write_text("result")
+    compile_cache.save_autotune(str(tmp_path / "tuned"), str(tmp_path / "shipped" / "h100.tar.gz"))
+    monkeypatch.setattr(compile_cache, "SHIPPED_AUTOTUNE", str(tmp_path / "shipped"))
+    monkeypatch.setattr(compile_cache, "_executables_dir", None)
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+    try:
+        assert compile_cache.enable() == str(tmp_path / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    autotune = tmp_path / "cache" / compile_cache.AUTOTUNE_DIR
+    assert compile_cache.compiler_options() == {}  # the CPU: nothing to tune, nothing extracted
+    assert not autotune.exists()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert compile_cache.compiler_options() == {compile_cache.AUTOTUNE_DIR: str(autotune)}
+    assert (autotune / "gpu" / "k.pb").read_text() == "result"
+    flags = jax.config.jax_persistent_cache_enable_xla_caches
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "xla_gpu_kernel_cache_file")
+    try:
+        assert compile_cache.compiler_options() == {}  # turned off through jax's own setting
+    finally:
+        jax.config.update("jax_persistent_cache_enable_xla_caches", flags)
+
+
+def test_the_shipped_autotuning_archives_hold_results_per_gpu_model(tmp_path):
+    """`ddtree_jax/autotune`: readable archives of XLA's per-fusion results (a folder a GPU model)."""
+    archives = sorted(os.listdir(compile_cache.SHIPPED_AUTOTUNE))
+    assert archives and all(a.endswith(".tar.gz") for a in archives), archives
+    assert compile_cache.seed_autotune(compile_cache.SHIPPED_AUTOTUNE, str(tmp_path)) > 100
+    for model_folder in os.listdir(tmp_path):
+        assert all(name.endswith(".pb") for name in os.listdir(tmp_path / model_folder))

@@ -264,10 +264,13 @@ def test_compile_time_script_splits_warm_time(tiny_pair, tmp_path):
         *("--checkpoints", tiny_pair, "--dtype", "float32", "--methods", "ar", "ddtree", "--budgets", 4),
         *("--prompt-len", 8, "--max-new-tokens", 4, "--temperatures", 0.7, 1.3),
         *("--out", out, "--trace", tmp_path / "trace"),
+        *("--no-shipped-autotune", "--save-autotune", tmp_path / "at.tar.gz"),
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["shipped_autotune"] is False and result["autotune_entries"] == 0  # the CPU tunes nothing
+    assert (tmp_path / "at.tar.gz").exists()
     rows = result["rows"]
     assert [(r["method"], r["budget"], r["temperature"]) for r in rows] == [
         ("ar", None, 0.7),
