@@ -587,6 +587,7 @@ def _run(
     # Host arrays, not jnp.asarray: the call moves them to the device with its other arguments
     # instead of an eager conversion each (three more device launches a call on a GPU).
     args = (target, drafter, ids, lengths, np.asarray(stop or [PAD], np.int32), key, knobs)
+    _check_same_devices(target, drafter)
     mesh = _params_mesh(target)
     if mesh is None:
         # A whole executable from disk skips tracing and lowering (`compile_cache`); sharded
@@ -597,6 +598,41 @@ def _run(
     # (opaque to GSPMD) run per shard, and so do the routed experts on the XLA path.
     with sharding.use_mesh(mesh, sharding.placed_rules(target)):
         return fn(*args, st=st)
+
+
+def _placement(params) -> tuple[tuple[int, ...], str] | None:
+    """The devices the first placed weight of `params` lives on, in the order jit sees them
+    (a mesh's, flattened), and their description; None where no weight is placed (a committed
+    array is, and so is a shape given a sharding, as `lower` takes; an uncommitted array is not)."""
+    for leaf in jax.tree.leaves(params):
+        where = getattr(leaf, "sharding", None)
+        if where is None or (isinstance(leaf, jax.Array) and not leaf.committed):
+            continue  # jit moves an uncommitted array wherever the others are
+        mesh = getattr(where, "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh):
+            ids = tuple(int(d.id) for d in mesh.devices.flat)
+            return ids, f"devices {list(ids)} (a mesh of {dict(mesh.shape)})"
+        if mesh is not None:
+            continue  # an abstract mesh: no devices yet
+        ids = tuple(sorted(int(d.id) for d in where.device_set))
+        return ids, f"device{'s' * (len(ids) > 1)} {list(ids)}"
+    return None
+
+
+def _check_same_devices(target: TargetParams, drafter: Any) -> None:
+    """Raises ValueError naming both placements unless the drafter's placed weights live on the
+    target's devices, in the same order (jit's rule: meshes of other shapes over them are fine).
+    Without it jit refused the call with "incompatible devices", naming one weight of each."""
+    if drafter is None:
+        return
+    theirs, ours = _placement(target), _placement(drafter)
+    if theirs is None or ours is None or theirs[0] == ours[0]:
+        return
+    raise ValueError(
+        f"the target's weights are on {theirs[1]} but the drafter's on {ours[1]}: place both on the same "
+        f"devices in the same order (e.g. sharding.shard_drafter(drafter, mesh) with the target's mesh), or "
+        f"leave the drafter's arrays uncommitted"
+    )
 
 
 def _params_mesh(target: TargetParams):

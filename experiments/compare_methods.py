@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--drafter", default=None, help="HF DFlash directory (default: random drafter)")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16, help="the random drafter's block (without --drafter)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--methods", nargs="+", default=["ar", "dflash", "ddtree"])
@@ -46,7 +46,12 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--implementation", default="xla", choices=("xla", "pallas"))
     ap.add_argument(
-        "--mesh", type=int, nargs=2, default=None, metavar=("DATA", "MODEL"), help="shard weights on this mesh"
+        "--mesh",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("DATA", "MODEL"),
+        help="shard weights on this mesh of the first DATA x MODEL devices",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -55,6 +60,14 @@ def main():
         _args.budgets(ap, args.budgets)
     _args.at_least(ap, 1, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens)
     _args.at_least(ap, 1, prompt_len=args.prompt_len, repeats=args.repeats, draft_layers=args.draft_layers)
+    _args.at_least(ap, 2, block_size=args.block_size)  # the random drafter's: a root and at least one mask
+    if args.mesh:
+        _args.at_least(ap, 1, mesh=args.mesh)
+        if args.mesh[0] * args.mesh[1] > jax.device_count():
+            ap.error(
+                f"--mesh {args.mesh[0]} {args.mesh[1]} needs {args.mesh[0] * args.mesh[1]} devices, "
+                f"but jax sees {jax.device_count()}"
+            )
     _args.out_file(ap, args.out)
     dtype = _args.dtype(ap, args.dtype)
     if not args.target and args.preset not in config.PRESETS:
@@ -71,7 +84,7 @@ def main():
         dcfg = dflash.drafter_config_for(target.config, num_hidden_layers=args.draft_layers, block_size=args.block_size)
         draft = jax.tree.map(lambda a: a.astype(dtype), dflash.init_params(dcfg, jax.random.PRNGKey(1)))
     if args.mesh:
-        mesh = sharding.make_mesh(*args.mesh)
+        mesh = sharding.make_mesh(*args.mesh, devices=jax.devices()[: args.mesh[0] * args.mesh[1]])
         target, draft = sharding.shard_target(target, mesh), sharding.shard_drafter(draft, mesh)
     dev = jax.devices()[0].device_kind
     print(

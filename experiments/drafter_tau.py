@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import _args
 import jax.numpy as jnp
 
 from ddtree_jax import checkpoint, compile_cache, data, evaluation
+from ddtree_jax.config import ConfigError
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 
@@ -32,6 +34,26 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     if not window.isdigit():  # int() failed with a traceback only after the target loaded
         raise ValueError(f"--drafters {spec!r}: the window after @ must be an int >= 0")
     return path, int(window)
+
+
+def check_spec(spec: str) -> None:
+    """`parse_spec`, and a window W > 0 checked against DIR/config.json alone (the weights are
+    read after the target's): ValueError naming the spec unless `with_sliding_window` takes it
+    (W >= the drafter's block_size), or the config cannot be read."""
+    path, window = parse_spec(spec)
+    if not window:  # none, or 0: every layer full
+        return
+    try:
+        cfg = dflash.DrafterConfig.from_json_file(os.path.join(path, "config.json"))
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError
+        raise ValueError(f"--drafters {spec!r}: {e}") from None
+    try:
+        cfg.with_sliding_window(window)
+    except ConfigError:  # the config itself was read whole above: only the window can fail here
+        raise ValueError(
+            f"--drafters {spec!r}: window {window} is below the drafter's block_size={cfg.block_size} "
+            "(a window must be 0, every layer full, or >= block_size)"
+        ) from None
 
 
 def load(spec: str, dtype):
@@ -59,7 +81,7 @@ def main():
     args = ap.parse_args()
     for spec in args.drafters:
         try:
-            parse_spec(spec)
+            check_spec(spec)
         except ValueError as e:
             ap.error(str(e))
     _args.budgets(ap, args.budgets)

@@ -152,8 +152,13 @@ def main(argv=None):
         ap.error(f"--lookup {args.lookup}: each chain length must be >= 1")
     # --limit -1 ran all prompts but the last (prompts[:-1]), 0 all of them
     _args.at_least(ap, 1, limit=args.limit, max_new_tokens=args.max_new_tokens)
-    _args.budgets(ap, args.budgets)  # checked only after the checkpoints loaded, as a traceback
+    _args.budgets(ap, args.budgets)
     _args.out_file(ap, args.out)
+    for policy in args.policies:  # used after the load (the drafter gives the depths), checked here
+        try:
+            depth_temperatures(policy, 1)
+        except ValueError as e:
+            ap.error(f"--policies: {e}")
 
     shipped = load_shipped(args.checkpoints, dtype=args.dtype)
     target = shipped.target

@@ -901,3 +901,42 @@ def test_research_scripts_refuse_bad_flags_before_loading(tmp_path):
     # import needed the repo root on sys.path, so it died of a ModuleNotFoundError.
     proc = run_script("exact_cost.py", "--budget", 0)
     assert proc.returncode == 2 and "--budget must lie in [1, 1024], got [0]" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_drafter_tau_refuses_a_window_below_the_block_size_before_loading(tmp_path):
+    """DIR@W with 0 < W < the drafter's block size (the engine's rule for a sliding window) died
+    only at the drafter's load, after the target's: the window is checked against DIR/config.json."""
+    shipped = os.path.join(REPO, "checkpoints", "drafter")  # block_size 16; only its config.json is read
+    nowhere = ("--target", tmp_path / "no_target")  # a load would fail otherwise, not refuse the flag
+    why = refusal("drafter_tau.py", "--drafters", shipped, f"{shipped}@8", *nowhere)
+    assert f"--drafters '{shipped}@8': window 8 is below the drafter's block_size=16" in why, why
+    assert "--drafters 'd@1': no config.json at d/config.json" in refusal(
+        "drafter_tau.py", "--drafters", "d@1", *nowhere
+    )
+
+
+def test_tree_replay_refuses_bad_policies_before_loading(tmp_path):
+    """A policy depth_temperatures cannot read was met only after the checkpoints loaded."""
+    nowhere = ("--checkpoints", tmp_path / "no_checkpoints")
+    for policy, message in (
+        ("abc", "--policies: policy 'abc' is not 't' or 'a:b' with numbers"),
+        ("0.8:x", "--policies: policy '0.8:x' is not 't' or 'a:b' with numbers"),
+        ("-1", "--policies: policy '-1': one or two temperatures > 0"),
+        ("nan", "--policies: policy 'nan': one or two temperatures > 0"),
+        ("0", "--policies: policy '0': one or two temperatures > 0"),
+        ("1:2:3", "--policies: policy '1:2:3': one or two temperatures > 0"),
+    ):
+        assert message in refusal("tree_replay.py", "--policies", "1", policy, *nowhere), policy
+
+
+def test_compare_methods_refuses_a_bad_mesh_or_block_size_before_loading(tmp_path):
+    """--mesh and --block-size (the random drafter's block) were unchecked: a bad one died in
+    make_mesh / the drafter's config after the target loaded."""
+    nowhere = ("--target", tmp_path / "no_target")
+    for args, message in (
+        (("--block-size", 1), "--block-size must be >= 2, got 1"),
+        (("--mesh", 0, 2), "--mesh must be >= 1, got [0, 2]"),
+        (("--mesh", 2, -1), "--mesh must be >= 1, got [2, -1]"),
+        (("--mesh", 1, 4096), "--mesh 1 4096 needs 4096 devices, but jax sees "),
+    ):
+        assert message in refusal("compare_methods.py", *args, *nowhere), args

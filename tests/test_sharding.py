@@ -322,6 +322,77 @@ def test_sharded_lookups_and_exact_pairs_gather_no_weights(sharded_runs):
     assert "SHARDED EXACT OK" in sharded_runs.stdout, _why(sharded_runs, 2)
 
 
+PLACEMENT_SCRIPT = textwrap.dedent(
+    """
+    # Lowered or refused only, never compiled: a few seconds on 8 CPU devices.
+    import jax
+    from ddtree_jax import sharding
+    from ddtree_jax.drafters import dflash
+    from ddtree_jax.generate import generate, lower
+    from tests.conftest import random_target, tiny
+
+    cfg = tiny(num_attention_heads=8, n_routed_experts=8, n_group=2, topk_group=1, num_hidden_layers=1)
+    target = random_target(cfg, seed=3)
+    dcfg = dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=4, num_key_value_heads=8)
+    dparams = dflash.init_params(dcfg, jax.random.PRNGKey(1))
+    d, kw = jax.devices(), dict(max_new_tokens=2, stop_token_ids=(), method="dflash")
+    low, high = sharding.make_mesh(1, 4, d[:4]), sharding.make_mesh(1, 4, d[4:])
+    st = sharding.shard_target(target, low)
+    # Target and drafter on other devices: jit's "incompatible devices" before, naming one weight.
+    on_low = "the target's weights are on devices [0, 1, 2, 3] (a mesh of {'data': 1, 'model': 4})"
+    for t, dr, want in (
+        (st, sharding.shard_drafter(dparams, high), on_low + " but the drafter's on devices [4, 5, 6, 7] (a mesh"),
+        (st, jax.device_put(dparams, d[5]), on_low + " but the drafter's on device [5]:"),
+        (jax.device_put(target, d[0]), jax.device_put(dparams, d[1]), "on device [0] but the drafter's on device [1]"),
+    ):
+        try:
+            generate(t, dr, [[1, 2]], **kw)
+            raise AssertionError(f"not refused: {want}")
+        except ValueError as e:
+            assert want in str(e), e
+    # Supported: another mesh over the same devices, an uncommitted drafter, one device for both.
+    wide, square = sharding.make_mesh(1, 8), sharding.make_mesh(2, 4)
+    lower(sharding.shard_target(target, wide), sharding.shard_drafter(dparams, square), [[1, 2]], **kw)
+    lower(st, dparams, [[1, 2]], **kw)
+    lower(jax.device_put(target, d[2]), jax.device_put(dparams, d[2]), [[1, 2]], **kw)
+    print("PLACEMENT OK")
+    """
+)
+
+KV_SPLIT_SCRIPT = textwrap.dedent(
+    """
+    # The drafter attention kernel's refusal of KV heads the mesh cannot split names the mesh axis.
+    import jax, jax.numpy as jnp
+    from ddtree_jax import sharding
+    from ddtree_jax.pallas.drafter_attention.api import drafter_attention
+
+    f = lambda *s: jnp.zeros(s, jnp.float32)
+    pos = jnp.zeros((2, 16), jnp.int32)
+    da = (f(2, 16, 8, 16), f(2, 32, 2, 16), f(2, 32, 2, 16), jnp.asarray([20, 9], jnp.int32), pos,
+          f(2, 16, 2, 16), f(2, 16, 2, 16))
+    with jax.set_mesh(sharding.make_mesh(2, 4)):
+        try:
+            drafter_attention(*da, window=12, causal=True, implementation="pallas")
+            raise AssertionError("a kv-head split unlike the query heads' was not refused")
+        except ValueError as e:
+            assert "the 2 key / value heads are not divisible by mesh axis 'model' of size 4" in str(e), e
+    print("KV SPLIT OK")
+    """
+)
+
+
+def test_target_and_drafter_on_other_devices_are_refused_naming_both():
+    """Target on devices 0-3, drafter on 4-7 or on one other device: jit's "incompatible devices"
+    named one weight of each; another mesh over the same devices keeps working."""
+    proc = _run_on_8_devices(PLACEMENT_SCRIPT)
+    assert "PLACEMENT OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_drafter_kv_heads_the_mesh_cannot_split_are_refused_naming_the_axis():
+    proc = _run_on_8_devices(KV_SPLIT_SCRIPT)
+    assert "KV SPLIT OK" in proc.stdout, proc.stderr[-4000:]
+
+
 def test_logical_axes_cover_every_weight_of_the_full_size_models():
     """Abstract shapes only: every Kimi-K2 / DeepSeek-V3 / plain-q weight gets axes of its rank."""
     import jax

@@ -148,9 +148,12 @@ def drafter_attention(
             f">= 16 slots, got head dim {hd} and {s} slots; use implementation='xla'"
         )
     if not fit:
+        axes = jax.tree.leaves(specs[0][2])  # the mesh axes that split the query heads
+        named = " x ".join(f"{a!r} of size {mesh.shape[a]}" for a in axes)
         raise ValueError(
-            f"drafter_attention: the mesh splits the {nq} query heads {q_split} ways and the {nkv} key / value "
-            f"heads {kv_split} ways, so a shard's query heads would not find their own; use implementation='xla'"
+            f"drafter_attention: the {nkv} key / value heads are not divisible by mesh axis{'es' * (len(axes) > 1)} "
+            f"{named}, which split{'s' * (len(axes) == 1)} the {nq} query heads {q_split} ways (the key / value "
+            f"heads {kv_split} ways), so a shard's query heads would not find their own; use implementation='xla'"
         )
     span = s if reach is None else min(reach, s)
 
