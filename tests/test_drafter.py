@@ -606,3 +606,31 @@ def test_train_logits_equal_inference_drafts_per_anchor(cfg):
             pos = (p + np.arange(CFG.block_size, dtype=np.int32))[None]
             want = np.asarray(run_draft(params, cache, embed, unembed, block, pos))[0]
             np.testing.assert_allclose(got[row, j], want, atol=2e-4, rtol=0)
+
+
+def test_the_loops_joint_context_projection_gives_the_per_layer_keys_and_values(params, inputs):
+    """`ContextKV`: every layer's context k / v from one GEMM (the decode loop's form) equals
+    the per-layer projections, k_norm and RoPE included, slot for slot."""
+    per_layer = context_cache(params, inputs["features"])
+    b = len(LENGTHS)
+    idx = np.arange(C)[None].repeat(b, 0).astype(np.int32)
+    joint = extend(
+        params,
+        DrafterCache.init(CFG, b, CAPACITY),
+        jnp.asarray(inputs["features"]),
+        jnp.asarray(idx),
+        jnp.asarray(idx < LENGTHS[:, None]),
+        dflash.ContextKV.of(params.layers),
+    )
+    np.testing.assert_allclose(np.asarray(joint.k), np.asarray(per_layer.k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(joint.v), np.asarray(per_layer.v), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(joint.lengths), np.asarray(per_layer.lengths))
+    assert float(jnp.abs(per_layer.k).max()) > 0.1  # the caches hold something
+
+
+def test_for_loop_joins_the_context_projection_only_when_asked(params, monkeypatch):
+    drafter = dflash.DFlashDrafter(params=params, block_size=CFG.block_size)
+    joint = drafter.for_loop().context_kv
+    assert joint.weight.shape == (CFG.hidden_size, 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim)
+    monkeypatch.setattr(dflash, "FUSED_CONTEXT_KV", False)
+    assert drafter.for_loop().context_kv is None

@@ -662,6 +662,35 @@ def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]
     return scan_layers(body, None, params.layers, unroll=True)[1]
 
 
+FUSED_CONTEXT_KV = True
+"""Whether `DFlashDrafter.for_loop` joins every layer's context key and value weights into one
+matrix (`ContextKV`), so that a round's context keys / values are one GEMM and one norm + RoPE
+fusion instead of a few per layer (single device only). Read when traced."""
+
+
+@struct.dataclass
+class ContextKV:
+    """Every layer's context key / value projection as one matrix, for the decode loop."""
+
+    weight: jax.Array  # [H, Ld * 2 * Nkv * hd]: layer, then (k, v), then head, then hd
+    k_norm: jax.Array  # [Ld, hd]
+
+    @classmethod
+    def of(cls, layers: DrafterLayerParams) -> ContextKV:
+        """From stacked layers (k, v: [Ld, H, Nkv, hd])."""
+        kv = jnp.stack([layers.k, layers.v], axis=1)  # [Ld, 2, H, Nkv, hd]
+        h = kv.shape[2]
+        return cls(weight=jnp.moveaxis(kv, 2, 0).reshape(h, -1), k_norm=layers.k_norm)
+
+
+def _joint_keys_values(cfg: DrafterConfig, ckv: ContextKV, ctx, cos, sin) -> tuple[jax.Array, jax.Array]:
+    """`_per_layer_keys_values` from one GEMM: k, v [Ld, B, T, Nkv, hd]."""
+    b, t, _ = ctx.shape
+    kv = linear(ctx, ckv.weight).reshape(b, t, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
+    k = apply_rope(rms_norm(kv[:, :, :, 0], ckv.k_norm[:, None, :], cfg.rms_norm_eps), cos, sin)
+    return jnp.moveaxis(k, 2, 0), jnp.moveaxis(kv[:, :, :, 1], 2, 0)
+
+
 def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots):
     """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis.
 
@@ -695,6 +724,7 @@ def extend_context(
     features: jax.Array,  # [B, C, n_taps * H]
     positions: jax.Array,  # [B, C] int32
     valid: jax.Array,  # [B, C] bool
+    context_kv: ContextKV | None = None,
 ) -> DrafterCache:
     """Commits context tokens: their per-layer keys/values go to slot = position.
 
@@ -708,6 +738,8 @@ def extend_context(
       features: the target's tapped hidden states (`tap_features`) at those tokens.
       positions: absolute positions of the tokens.
       valid: which entries to commit.
+      context_kv: the layers' key / value weights joined (`ContextKV`, the decode loop's):
+        the same keys and values from one GEMM.
 
     Returns:
       The updated cache.
@@ -721,7 +753,10 @@ def extend_context(
     with jax.named_scope("drafter_context"):
         ctx = rms_norm(linear(features.astype(params.dtype), params.fc), params.hidden_norm, cfg.rms_norm_eps)
         cos, sin = _rope(cfg, positions)
-        k, v = _per_layer_keys_values(params, ctx, cos, sin)
+        if context_kv is None:
+            k, v = _per_layer_keys_values(params, ctx, cos, sin)
+        else:
+            k, v = _joint_keys_values(cfg, context_kv, ctx, cos, sin)
         slots = jnp.where(valid, positions, cache.capacity)
         cache = cache.write(k, v, slots)
         return cache.replace(lengths=cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
@@ -897,6 +932,7 @@ class DFlashDrafter:
     params: DrafterParams
     block_size: int = struct.field(pytree_node=False)
     implementation: str = struct.field(pytree_node=False, default="xla")  # the block attention's (`draft`)
+    context_kv: ContextKV | None = None  # set by `for_loop` (`FUSED_CONTEXT_KV`)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -912,13 +948,17 @@ class DFlashDrafter:
         was a device copy every round)."""
         if isinstance(self.params.layers, Unstacked):
             return self
-        return self.replace(params=self.params.replace(layers=unstack(self.params.layers)))
+        layers = self.params.layers
+        # Under a mesh the layers' key / value heads are split by the sharding rules; the
+        # joined matrix is not, so it is left to the per-layer path there.
+        joint = ContextKV.of(layers) if FUSED_CONTEXT_KV and sharding.context_mesh() is None else None
+        return self.replace(params=self.params.replace(layers=unstack(layers)), context_kv=joint)
 
     def init_state(self, target: TargetParams, batch: int, capacity: int) -> DrafterCache:
         return DrafterCache.init(self.params.config, batch, capacity, self.params.fc.dtype)
 
     def observe(self, state, taps, positions, valid):
-        return extend_context(self.params, state, tap_features(taps), positions, valid)
+        return extend_context(self.params, state, tap_features(taps), positions, valid, self.context_kv)
 
     def propose(self, state, target: TargetParams, cache: KVCache, roots: jax.Array, key: jax.Array) -> jax.Array:
         b, bs = roots.shape[0], self.block_size
