@@ -419,16 +419,15 @@ def _unrolled(numerics: str, n_layers: int, routed_path: str | None) -> bool:
 HOIST_MAX_BYTES = 1 << 30
 """`hoist_layers` prepares a layer stack of at most this many bytes (as prepared)."""
 
-HOIST_SHARED_OUT_MAJOR = False
-"""Whether `hoist_layers` holds the shared experts' gate and up as [I, H] (`layers.OutMajor`).
-On the H200, XLA merges them with the dense routed pass of a verify into one GEMM that reads
-every weight [out, in], and transposes the two [H, I] weights of each layer for it every round
-(14 transposes, ~0.022 ms a DDTree(12) round of the shipped pair; docs/benchmarks.md, "One
-round in the loop"). Off: on an H100 the round in the loop was 0.5-13% faster with it (session
-32, two calls) and 3% faster (session 34), but the AR step got 7% faster too, so a round cost
-4% more AR steps in 21 interleaved pairs (`experiments/profile_round.py --pairs 21 --set
-ddtree_jax.model.HOIST_SHARED_OUT_MAJOR=True`); not yet timed that way on an H200.
-It changes a float32 forward's last bits."""
+HOIST_SHARED_OUT_MAJOR: bool | None = None
+"""Whether `hoist_layers` holds the shared experts' gate and up as [I, H] (`layers.OutMajor`);
+None: on a GPU. XLA merges them with the dense routed pass of a verify into one GEMM that reads
+every weight [out, in], and otherwise transposes the two [H, I] weights of each layer for it
+every round (14 transposes a DDTree(12) round of the shipped pair). End to end on one H100
+(session 42, all 164 HumanEval prompts, T = 0, one machine start, two processes each way;
+docs/benchmarks.md): AR 1974 / 1973 -> 2195 / 2158 tokens/s (+9-11%), DDTree(12) 4293 / 4213
+-> 4302 (one process; no loss). In interleaved pairs its round was 2-3% faster and its AR step 5-7% (sessions
+34, 41). Off on the CPU, where it was not timed. It changes a float32 forward's last bits."""
 
 
 def _out_major(mlp: MLPParams) -> MLPParams:
@@ -473,7 +472,8 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
         if size > HOIST_MAX_BYTES:
             return stack
         layers = unstack(jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4))
-        if not HOIST_SHARED_OUT_MAJOR or getattr(layers.layers[0].mlp, "shared", None) is None:
+        out_major = jax.default_backend() == "gpu" if HOIST_SHARED_OUT_MAJOR is None else HOIST_SHARED_OUT_MAJOR
+        if not out_major or getattr(layers.layers[0].mlp, "shared", None) is None:
             return layers
         return Unstacked(
             tuple(lp.replace(mlp=lp.mlp.replace(shared=_out_major(lp.mlp.shared))) for lp in layers.layers)

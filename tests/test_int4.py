@@ -163,6 +163,12 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     np.testing.assert_array_equal(shared.gate.t, hoisted.moe_layers.layers[0].mlp.shared.gate.T)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(run(out_major)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # The default (None): held [I, H] on a GPU only.
+    monkeypatch.setattr(model, "HOIST_SHARED_OUT_MAJOR", None)
+    assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers.layers[0].mlp.shared.gate, OutMajor)
+    with monkeypatch.context() as gpu:
+        gpu.setattr(jax, "default_backend", lambda: "gpu")
+        assert isinstance(model.hoist_layers(quantized, "fast").moe_layers.layers[0].mlp.shared.gate, OutMajor)
     monkeypatch.setattr(model, "HOIST_SHARED_OUT_MAJOR", False)
     monkeypatch.setattr(model, "HOIST_MAX_BYTES", 0)
     assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
