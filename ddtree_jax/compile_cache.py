@@ -21,8 +21,7 @@ tiling compiled and timed). XLA keeps what it picks per fusion in
 `generate`'s compiles get the same folder. Before the first of them the results shipped with
 this package are extracted into it (`SHIPPED_AUTOTUNE`: the shipped pair's programs, tuned on
 the GPU models it names), so that a first compile of those programs on such a GPU skips the
-tuning.
-XLA keys each result by the GPU model, its own version and the fusion's HLO: any other
+tuning. XLA keys each result by the GPU model, its own version and the fusion's HLO: any other
 fusion, GPU or XLA is tuned as before.
 
 Folder: `$DDTREE_JAX_CACHE` if set, else `~/.cache/ddtree_jax/xla`. Set `DDTREE_JAX_CACHE=off`
@@ -66,7 +65,8 @@ AUTOTUNE_DIR = "xla_gpu_per_fusion_autotune_cache_dir"
 SHIPPED_AUTOTUNE: str | None = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autotune")
 """The folder of autotuning results shipped with the package (`.tar.gz` archives, one a GPU
 model, made by `experiments/compile_time.py --no-shipped-autotune --save-autotune`), extracted
-into the cache folder by `enable` (None: not, e.g. to time a compile without them)."""
+into the cache folder before `generate`'s first compile on a GPU (`compiler_options`; None: not,
+e.g. to time a compile without them)."""
 
 _OFF = ("", "0", "off", "none", "false")
 _executables_dir: str | None = None
