@@ -231,6 +231,44 @@ def test_draft_with_the_kernel(window, causal):
     args = (params, cache, target.embed, target.unembed, block, block_pos)
     want = dflash.draft(*args, implementation="xla")
     np.testing.assert_allclose(dflash.draft(*args, implementation="pallas"), want, atol=2e-5, rtol=2e-5)
+    # The decode loop's drafter (layers unrolled): the kernel reads each layer of the stacked
+    # context cache in place, with the same logits.
+    looped = dflash.DFlashDrafter(params=params, block_size=4).for_loop().params
+    got = dflash.draft(looped, *args[1:], implementation="pallas")
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_stacked_cache_is_read_in_place_by_layer(monkeypatch):
+    """`drafter_attention(..., layer=l)` over every layer's cache [Ld, B, S, Nkv, hd]: the kernel
+    takes the whole stack and the static layer (no slice), and gives that layer's attention; a
+    traced layer, or the XLA path, slices it first."""
+    from ddtree_jax.pallas.drafter_attention import api
+
+    rng = np.random.default_rng(3)
+    q, k, v, lens, pos, kb, vb = case(rng, 2, 16, 4, 2, 16, 48, [30, 48], [30, 48])
+    k_all = jnp.stack([k * 0.5, k, -k])
+    v_all = jnp.stack([v * 2.0, v, v + 1.0])
+    want = drafter_attention_reference(q, k, v, lens, pos, kb, vb, 16, False)
+    seen = []
+    real = api.drafter_attention_pallas
+
+    def spy(*a, **kw):
+        seen.append((a[1].ndim, kw.get("layer")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "drafter_attention_pallas", spy)
+    kw = dict(window=16, causal=False)
+    got = drafter_attention(q, k_all, v_all, lens, pos, kb, vb, implementation="pallas", layer=1, **kw)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    assert seen == [(5, 1)]
+    traced = jax.jit(
+        lambda li: drafter_attention(q, k_all, v_all, lens, pos, kb, vb, implementation="pallas", layer=li, **kw)
+    )
+    np.testing.assert_allclose(traced(jnp.int32(1)), want, atol=2e-6, rtol=2e-6)
+    assert seen[1:] == [(4, None)]
+    np.testing.assert_allclose(
+        drafter_attention(q, k_all, v_all, lens, pos, kb, vb, implementation="xla", layer=1, **kw), want, atol=2e-6
+    )
 
 
 def test_greedy_ddtree_equals_ar_with_the_kernel():

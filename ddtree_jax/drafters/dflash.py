@@ -691,11 +691,13 @@ def _joint_keys_values(cfg: DrafterConfig, ckv: ContextKV, ctx, cos, sin) -> tup
     return jnp.moveaxis(k, 2, 0), jnp.moveaxis(kv[:, :, :, 1], 2, 0)
 
 
-def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots):
+def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots, stacked_kv=False):
     """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis.
 
-    attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal) -> [B, T, Nq, hd] is a layer's attention,
-    given its window and causal flag (traced scalars)."""
+    attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, layer) -> [B, T, Nq, hd] is a layer's
+    attention, given its window and causal flag (traced scalars). `layer_kv` holds every layer's
+    context keys / values [Ld, ...]: each layer gets its own slice (layer None), or, with
+    `stacked_kv`, all of them and its index (static where the layers are unrolled)."""
     cfg = params.config
     eps = cfg.rms_norm_eps
     x = sharding.embed_rows(embed, x_tokens).astype(params.dtype)
@@ -704,16 +706,19 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots
     causal = jnp.asarray(cfg.causal_layers)
 
     def body(x, xs):
-        lp, k_ctx, v_ctx, window, is_causal = xs
+        lp, kv, window, is_causal, li = xs
+        k_ctx, v_ctx = layer_kv if stacked_kv else kv
         h = rms_norm(x, lp.input_norm, eps)
         q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
         k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
-        o = attend(q, k_ctx, v_ctx, k_blk, v_blk, window, is_causal)
+        o = attend(q, k_ctx, v_ctx, k_blk, v_blk, window, is_causal, li if stacked_kv else None)
         x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
 
-    x, _ = scan_layers(body, x, (params.layers, *layer_kv, windows, causal), unroll=True)  # few layers: no device loop
+    # A host arange: unrolled (`Unstacked` layers), each layer's index is a static int.
+    xs = (params.layers, None if stacked_kv else layer_kv, windows, causal, np.arange(cfg.num_hidden_layers))
+    x, _ = scan_layers(body, x, xs, unroll=True)  # few layers: no device loop
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
 
@@ -802,7 +807,7 @@ def draft(
     with jax.named_scope("draft"):
         reach = min(max(cfg.windows), cache.capacity)  # the most context slots a query sees
 
-        def attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal):
+        def attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, layer):
             return drafter_attention(
                 q,
                 k_ctx,
@@ -815,10 +820,12 @@ def draft(
                 causal=causal,
                 reach=reach,
                 implementation=implementation,
+                layer=layer,
             )
 
         slots = jnp.broadcast_to(jnp.arange(1, t), (b, t - 1))
-        return _blocks(params, embed, unembed, block_tokens, block_positions, (cache.k, cache.v), attend, slots)
+        kv = (cache.k, cache.v)
+        return _blocks(params, embed, unembed, block_tokens, block_positions, kv, attend, slots, stacked_kv=True)
 
 
 def train_logits(
@@ -857,7 +864,7 @@ def train_logits(
         distance = positions[:, :, None] - jnp.arange(t, dtype=jnp.int32)  # context slot s holds position s
         earlier = positions[:, None, :] <= positions[:, :, None]  # [B, A*bs, A*bs] key at or before query
 
-        def attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal):
+        def attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, layer):  # layer: None (sliced)
             own = blk_visible & (earlier | ~causal)
             return masked_attention(q, k_ctx, v_ctx, ctx_visible & (distance < window), k_blk, v_blk, own)
 

@@ -101,12 +101,14 @@ def drafter_attention(
     reach: int | None = None,
     implementation: str = "auto",
     tiles: DrafterAttentionTiles | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:  # [B, T, Nq, hd] in q's dtype
     """One drafter layer's block attention: block queries over the context cache and the block.
 
     Args:
       q: block queries (RoPE'd).
-      k_ctx, v_ctx: the layer's context cache; slot s holds position s.
+      k_ctx, v_ctx: the layer's context cache; slot s holds position s. With `layer`: every
+        layer's, [Ld, B, S, Nkv, hd].
       ctx_len: context slots filled per row (slots >= ctx_len are not seen).
       positions: the block tokens' positions.
       k_blk, v_blk: the block's own keys and values.
@@ -119,13 +121,27 @@ def drafter_attention(
         where `kernel.takes` the shapes and, under a mesh, each shard holds the key / value
         heads of its query heads, else XLA; `uses_kernel`), or "mosaic" (no Mosaic kernel: XLA).
       tiles: the kernel's `DrafterAttentionTiles` (None: the defaults).
+      layer: which layer of a stacked cache to attend. The kernel reads a static one in place
+        (without a mesh); otherwise that layer's slice is taken first. Sliced, it reached the
+        kernel as a copy XLA made every round, of every slot of the cache.
 
     Returns:
       The attention output per query head.
     """
     check_implementation(implementation, AVAILABLE, "drafter_attention")
     check_rank("drafter_attention", "q", q, 4)
-    check_rank("drafter_attention", "k_ctx", k_ctx, 4)
+    if layer is not None:
+        check_rank("drafter_attention", "k_ctx", k_ctx, 5)
+        chex.assert_equal_shape([k_ctx, v_ctx])
+        one = jax.ShapeDtypeStruct(k_ctx.shape[1:], k_ctx.dtype)
+        static = isinstance(layer, int | np.integer) and 0 <= layer < k_ctx.shape[0]
+        in_place = static and sharding.context_mesh() is None
+        if not (in_place and uses_kernel(implementation, q, one, jax.default_backend() == "gpu")):
+            k_ctx, v_ctx = k_ctx[layer], v_ctx[layer]
+            layer = None
+    check_rank("drafter_attention", "k_ctx", k_ctx, 4 if layer is None else 5)
+    if layer is not None:  # the kernel, in place: the checks below see one layer's shapes
+        return _in_place(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, reach, tiles, int(layer))
     b, t, nq, hd = q.shape
     s, nkv = k_ctx.shape[1], k_ctx.shape[2]
     chex.assert_shape([k_ctx, v_ctx], (b, s, nkv, hd))
@@ -157,15 +173,37 @@ def drafter_attention(
         )
     span = s if reach is None else min(reach, s)
 
-    def fn(*a):  # the splits from the (per-shard) rows and programs' heads
-        rows, heads, kv_heads = a[0].shape[0], a[0].shape[2], a[1].shape[2]
-        group = head_group(heads // kv_heads, t, span * rows * kv_heads)
-        chosen = tiles or DrafterAttentionTiles(head_group=group)
-        splits = num_splits(span, rows, heads // chosen.head_group)
-        kw = dict(tiles=chosen, splits=splits, interpret=not on_gpu)
-        return drafter_attention_pallas(*a, window, causal, **kw)
+    def fn(*a):
+        return _run_kernel(*a, window, causal, span=span, tiles=tiles)
 
     if mesh is None:
         return fn(*args)
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+
+def _run_kernel(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, *, span, tiles, layer=None):
+    """The kernel, its head grouping and splits from the (per-shard) rows and heads."""
+    rows, t, heads, kv_heads = q.shape[0], q.shape[1], q.shape[2], k_blk.shape[2]
+    group = head_group(heads // kv_heads, t, span * rows * kv_heads)
+    chosen = tiles or DrafterAttentionTiles(head_group=group)
+    splits = num_splits(span, rows, heads // chosen.head_group)
+    kw = dict(tiles=chosen, splits=splits, interpret=jax.default_backend() != "gpu", layer=layer)
+    return drafter_attention_pallas(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, **kw)
+
+
+def _in_place(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, reach, tiles, layer):
+    """`drafter_attention`'s kernel on layer `layer` of a stacked cache [Ld, B, S, Nkv, hd] (no mesh)."""
+    b, t, nq, hd = q.shape
+    s, nkv = k_ctx.shape[2], k_ctx.shape[3]
+    chex.assert_shape([k_blk, v_blk], (b, t, nkv, hd))
+    chex.assert_shape(k_ctx, (k_ctx.shape[0], b, s, nkv, hd))
+    chex.assert_shape(ctx_len, (b,))
+    chex.assert_shape(positions, (b, t))
+    if nq % nkv:
+        raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
+    if q.size == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    span = s if reach is None else min(reach, s)
+    args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
+    return _run_kernel(*args, span=span, tiles=tiles, layer=layer)

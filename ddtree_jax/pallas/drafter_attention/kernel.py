@@ -156,7 +156,7 @@ def _kernel(meta_ref, pos_ref, q_ref, kc_ref, vc_ref, kb_ref, vb_ref, *out_refs,
         lse_ref[...] = lse.reshape(lse_ref.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiles", "splits", "interpret", "layer"))
 def drafter_attention_pallas(
     q: jax.Array,  # [B, T, Nq, hd]
     k_ctx: jax.Array,  # [B, S, Nkv, hd]
@@ -171,12 +171,15 @@ def drafter_attention_pallas(
     tiles: DrafterAttentionTiles = DrafterAttentionTiles(),
     splits: int = 1,
     interpret: bool = False,
+    layer: int | None = None,
 ) -> jax.Array:  # [B, T, Nq, hd]
     """Same contract as `drafter_attention_reference` (tiles: `DrafterAttentionTiles`; splits:
-    programs per query head, each walking a share of the context slots, `num_splits`)."""
+    programs per query head, each walking a share of the context slots, `num_splits`). With
+    `layer`, k_ctx and v_ctx are every layer's cache [Ld, B, S, Nkv, hd], read in place."""
     b, t, nq, hd = q.shape
-    s_cap, nkv = k_ctx.shape[1], k_ctx.shape[2]
-    if not takes(q, k_ctx):
+    lead = () if layer is None else (layer,)  # the stacked cache's layer, fixed for every program
+    s_cap, nkv = k_ctx.shape[len(lead) + 1], k_ctx.shape[len(lead) + 2]
+    if not takes(q, jax.ShapeDtypeStruct(k_ctx.shape[len(lead) :], k_ctx.dtype)):
         raise ValueError(f"head dim {hd} must be a power of two >= 16 and the cache >= 16 slots, got {s_cap}")
     if not isinstance(splits, int) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"splits must be an int >= 1, got {splits!r}")
@@ -200,7 +203,9 @@ def drafter_attention_pallas(
     heads = None if hg == 1 else hg  # Hg = 1: the head dim squeezed, as the kernel was timed
     rows = pl.BlockSpec((None, tp, heads, hd), lambda i, h, j: (i, 0, h, 0))
     kv_blk = pl.BlockSpec((None, tp, None, hd), lambda i, h, j: (i, 0, h * hg // group, 0))
-    kv_ctx = pl.BlockSpec((None, s_cap, None, hd), lambda i, h, j: (i, 0, h * hg // group, 0))
+    kv_ctx = pl.BlockSpec(
+        (*[None] * len(lead), None, s_cap, None, hd), lambda i, h, j: (*lead, i, 0, h * hg // group, 0)
+    )
     if splits == 1:
         out_specs = rows
         out_shape = jax.ShapeDtypeStruct((b, tp, nq, hd), q.dtype)
