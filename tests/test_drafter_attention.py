@@ -297,3 +297,20 @@ def test_bench_smoke(capsys):
     for name in ("shipped_ctx512", "kimi_k25_dflash_tp8_32k"):
         for impl in ("xla", "pallas"):
             assert f"| {name} | {impl} |" in out
+
+
+@pytest.mark.parametrize("head_group, splits", [(1, 1), (2, 3)])
+def test_the_kernel_on_a_stacked_cache_matches_each_layers_reference(head_group, splits):
+    """`drafter_attention_pallas(..., layer=l)`: grouped heads and split walks read layer l of
+    [Ld, B, S, Nkv, hd] and nothing of the others."""
+    rng = np.random.default_rng(11)
+    q, k, v, lens, pos, kb, vb = case(rng, 2, 16, 4, 2, 16, 64, [50, 64], [50, 70])
+    k_all = jnp.stack([k + 3.0, k, k - 1.0])
+    v_all = jnp.stack([-v, v * 3.0, v])
+    tiles = DrafterAttentionTiles(head_group=head_group)
+    for layer, (kl, vl) in enumerate(zip(k_all, v_all, strict=True)):
+        want = drafter_attention_reference(q, kl, vl, lens, pos, kb, vb, 24, True)
+        got = drafter_attention_pallas(
+            q, k_all, v_all, lens, pos, kb, vb, 24, True, tiles=tiles, splits=splits, interpret=True, layer=layer
+        )
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
