@@ -578,8 +578,12 @@ def mla(
     cache_len: jax.Array,  # [B]
     new_mask: jax.Array,  # [B, T, T]
     implementation: str,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Absorbed MLA. Returns (out [B, T, H], c_kv [B, T, R], k_pe [B, T, P]) of the new tokens."""
+    """Absorbed MLA. Returns (out [B, T, H], c_kv [B, T, R], k_pe [B, T, P]) of the new tokens.
+
+    With `layer` the caches are every layer's ([L, B, S, R] / [L, B, S, P]) and this one's is
+    attended (`mla_attention`)."""
     q_lat, q_pe, c_kv, k_pe = _attn_inputs(cfg, p, x, cos, sin, cache_ckv.dtype)
     o_lat = mla_attention(
         q_lat,
@@ -592,6 +596,7 @@ def mla(
         new_mask,
         scale=cfg.softmax_scale,
         implementation=implementation,
+        layer=layer,
     )
     return _attn_output(p, o_lat, x.dtype), c_kv, k_pe
 
@@ -675,7 +680,7 @@ def _run_layers(
     layers: LayerParams,
     x: jax.Array,  # [B, T, H]
     positions: jax.Array,  # [B, T]
-    cache_ckv: jax.Array,  # [Lk, B, S, R] (this kind's slice)
+    cache_ckv: jax.Array,  # [L, B, S, R] every layer's
     cache_kpe: jax.Array,
     cache_len: jax.Array,
     new_mask: jax.Array,
@@ -684,15 +689,16 @@ def _run_layers(
     numerics: str,
     span: int,
     unroll_layers: bool = True,
+    first: int = 0,
 ):
-    """Scans one stack of same-kind layers (unrolled where `_unrolled` says, unless
-    `unroll_layers` is False).
+    """Scans one stack of same-kind layers, the model's layers `first` .. (unrolled where
+    `_unrolled` says, unless `unroll_layers` is False).
 
     Returns (x, c_kv [Lk,B,T,R], k_pe, hidden [Lk,B,T,H] | None, expert counts [Lk,E] | None).
     """
     is_moe = isinstance(layer_structure(layers).mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
-    n_layers = cache_ckv.shape[0]
+    n_layers = len(layers) if isinstance(layers, Unstacked) else jax.tree.leaves(layers)[0].shape[0]
     stacked = numerics == "fast" and not isinstance(layers, Unstacked)
     path = _routed_path(layers, implementation, x.dtype) if stacked else None
     routed = None  # routed-expert stacks the Mosaic kernels index in place
@@ -703,9 +709,12 @@ def _run_layers(
         layers = layers.replace(mlp=layers.mlp.replace(gate=None, up=None, down=None))
 
     def body(x, xs):
-        lp, ckv, kpe, li = xs
+        lp, li = xs
         counts = None
+        # Each layer's cache stays in the stack: the attention takes the stack and the layer.
+        at = first + li
         if numerics == "exact":
+            ckv, kpe = cache_ckv[at], cache_kpe[at]
             x, c_new, k_new, idx = _exact_layer(cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span)
             counts = _expert_counts(cfg, idx) if is_moe else None
             return x, (c_new, k_new, x if keep_hidden else None, counts)
@@ -715,11 +724,12 @@ def _run_layers(
             rms_norm(x, lp.attn_norm, cfg.rms_norm_eps),
             cos,
             sin,
-            ckv,
-            kpe,
+            cache_ckv,
+            cache_kpe,
             cache_len,
             new_mask,
             implementation,
+            layer=at,
         )
         x = x + attn_out
         hx = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
@@ -734,7 +744,7 @@ def _run_layers(
         return x, (c_new, k_new, x if keep_hidden else None, counts)
 
     unroll = unroll_layers and _unrolled(numerics, n_layers, path)
-    xs = (layers, cache_ckv, cache_kpe, jnp.arange(n_layers, dtype=jnp.int32))
+    xs = (layers, jnp.arange(n_layers, dtype=jnp.int32))
     x, (c_kv, k_pe, hidden, counts) = scan_layers(body, x, xs, unroll=unroll)
     return x, c_kv, k_pe, hidden, counts
 
@@ -817,8 +827,8 @@ def forward(
             layers,
             x,
             positions,
-            cache.c_kv[sl],
-            cache.k_pe[sl],
+            cache.c_kv,
+            cache.k_pe,
             cache.lengths,
             new_mask,
             keep_hidden,
@@ -826,6 +836,7 @@ def forward(
             numerics,
             span,
             unroll_layers,
+            first=sl.start,
         )
         c_parts.append(c_kv)
         k_parts.append(k_pe)

@@ -119,6 +119,51 @@ def test_mosaic_matches_reference(b, t, n, s, lens, splits, dtype, new_in_kernel
     np.testing.assert_allclose(got, want, **tol)
 
 
+@pytest.mark.parametrize("new_in_kernel", [0, 64])
+def test_mosaic_reads_a_layer_of_the_stacked_cache_in_place(monkeypatch, new_in_kernel):
+    """`layer=l` over every layer's cache [L, B, S, R]: the kernel takes the whole stack and
+    the (traced) layer, and gives that layer's attention; the XLA path slices it first."""
+    from ddtree_jax.pallas.mla_attention import mosaic
+
+    rng = np.random.default_rng(5)
+    mask = jnp.asarray(np.tril(np.ones((3, 3), bool))[None].repeat(2, 0))
+    q_lat, q_pe, ckv, kpe, lens, nckv, nkpe, mask = case(rng, 2, 3, 2, 128, 64, 128, [70, 128], mask)
+    ckv_all, kpe_all = jnp.stack([ckv - 1.0, ckv * 0.5, ckv]), jnp.stack([-kpe, kpe * 2.0, kpe])
+    want = [
+        mla_attention_reference(q_lat, q_pe, c, k, lens, nckv, nkpe, mask, 0.05)
+        for c, k in zip(ckv_all, kpe_all, strict=True)
+    ]
+    tiles = mosaic.MosaicMLATiles(new_in_kernel=new_in_kernel)
+    stacked = (q_lat, q_pe, ckv_all, kpe_all, lens, nckv, nkpe, mask)
+    for layer in range(3):
+        got = mosaic.mla_attention_mosaic(
+            *stacked, scale=0.05, tiles=tiles, interpret=_interpret(), layer=jnp.int32(layer)
+        )
+        np.testing.assert_allclose(got, want[layer], atol=2e-5, rtol=1e-5)
+    # Through the dispatch (no mesh): the stack and the layer reach the kernel, no slice.
+    from ddtree_jax.pallas.mla_attention import api
+
+    seen = []
+    real = api.mla_attention_mosaic
+
+    def spy(q_lat, q_pe, cache_ckv, *rest, **kw):
+        seen.append((cache_ckv.ndim, kw.get("layer") is not None))
+        return real(q_lat, q_pe, cache_ckv, *rest, **kw)
+
+    monkeypatch.setattr(api, "mla_attention_mosaic", spy)
+    got = mla_attention(*stacked, scale=0.05, implementation="mosaic", layer=jnp.int32(2))
+    np.testing.assert_allclose(got, want[2], atol=2e-5, rtol=1e-5)
+    assert seen == [(4, True)]
+    got = mla_attention(*stacked, scale=0.05, implementation="xla", layer=jnp.int32(1))
+    np.testing.assert_allclose(got, want[1], atol=2e-5, rtol=1e-5)
+
+
+def _interpret():
+    from ddtree_jax.pallas import mosaic_interpret
+
+    return mosaic_interpret()
+
+
 def test_mosaic_ar_with_its_key_masked_and_lengths_outside_the_cache():
     """One new token (XLA's one-key partial): visible, masked out, and over cache lengths past
     S and below 0, which the kernel clamps to [0, S] itself."""

@@ -63,6 +63,7 @@ def mla_attention(
     implementation: str = "xla",
     positions: jax.Array | None = None,  # [B, T] int32, for "exact"
     span: int | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:  # [B, T, N, R] float32
     """Absorbed-MLA attention of T query tokens over a latent cache plus themselves.
 
@@ -92,6 +93,9 @@ def mla_attention(
         in [cache_len, cache_len + span).
       span: a static bound on the new tokens' offsets from cache_len ("exact" only);
         default T.
+      layer: with it, cache_ckv / cache_kpe hold every layer's cache [L, B, S, R] / [L, B, S, P]
+        and this layer's is attended: read in place by the Mosaic kernel (without a mesh),
+        sliced first otherwise.
 
     Under a mesh whose latent cache is split by sequence (`sharding.cache_split`), each
     device attends for its own sequences with all heads (`_per_sequence`).
@@ -102,23 +106,31 @@ def mla_attention(
     """
     check_implementation(implementation, AVAILABLE, "mla_attention")
     check_rank("mla_attention", "q_lat", q_lat, 4)
-    check_rank("mla_attention", "cache_ckv", cache_ckv, 3)
+    check_rank("mla_attention", "cache_ckv", cache_ckv, 3 if layer is None else 4)
     b, t, n, r = q_lat.shape
-    s, p = cache_ckv.shape[1], q_pe.shape[-1]
+    s, p = cache_ckv.shape[-2], q_pe.shape[-1]
+    lead = cache_ckv.shape[:-3]  # (L,) with `layer`
     chex.assert_shape(q_pe, (b, t, n, p))
-    chex.assert_shape(cache_ckv, (b, s, r))
-    chex.assert_shape(cache_kpe, (b, s, p))
+    chex.assert_shape(cache_ckv, (*lead, b, s, r))
+    chex.assert_shape(cache_kpe, (*lead, b, s, p))
     chex.assert_shape(cache_len, (b,))
     chex.assert_shape(new_ckv, (b, t, r))
     chex.assert_shape(new_kpe, (b, t, p))
     chex.assert_shape(new_mask, (b, t, t))
     if q_lat.size == 0:  # no queries (T, B or N of 0): "exact"'s reductions have no identity
         return jnp.zeros(q_lat.shape, jnp.float32)
-    args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
     if implementation == "auto":
-        implementation = "mosaic" if on_hopper() and _mosaic_takes(q_lat, q_pe, cache_ckv) else "xla"
+        one = jax.ShapeDtypeStruct((b, s, r), cache_ckv.dtype)
+        implementation = "mosaic" if on_hopper() and _mosaic_takes(q_lat, q_pe, one) else "xla"
     if implementation == "pallas":  # no Triton-lowered MLA kernel any more (see above)
         implementation = "xla"
+    if layer is not None:
+        if implementation == "mosaic" and sharding.context_mesh() is None:
+            # The kernel reads the layer in the stack: a slice reached it as a copy of every slot.
+            kw = dict(scale=scale, interpret=mosaic_interpret(), layer=layer)
+            return _mosaic(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, **kw)
+        cache_ckv, cache_kpe = cache_ckv[layer], cache_kpe[layer]
+    args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
     if implementation == "exact":
         if positions is None:
             raise ValueError("mla_attention(implementation='exact') needs the new tokens' positions")
@@ -142,14 +154,15 @@ def mla_attention(
     return fn(*args)
 
 
-def _mosaic(q_lat, q_pe, cache_ckv, *rest, scale, interpret):
+def _mosaic(q_lat, q_pe, cache_ckv, *rest, scale, interpret, layer=None):
     """The Mosaic kernel with the new tokens in it where that pays for these (per-shard) shapes
     (and, in interpret mode, where XLA's CPU flag lets the interpreter run that split)."""
     b, t, n, _ = q_lat.shape
     tiles = MosaicMLATiles(new_in_kernel=MOSAIC_NEW_IN_KERNEL)
-    if not (new_split_runs(interpret) and new_split_pays(b, t, n, cache_ckv.shape[1], tiles)):
+    if not (new_split_runs(interpret) and new_split_pays(b, t, n, cache_ckv.shape[-2], tiles)):
         tiles = MosaicMLATiles()
-    return mla_attention_mosaic(q_lat, q_pe, cache_ckv, *rest, scale=scale, tiles=tiles, interpret=interpret)
+    kw = dict(scale=scale, tiles=tiles, interpret=interpret, layer=layer)
+    return mla_attention_mosaic(q_lat, q_pe, cache_ckv, *rest, **kw)
 
 
 def _per_sequence(fn, args, axes, home, extra):

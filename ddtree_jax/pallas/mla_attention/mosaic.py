@@ -196,9 +196,10 @@ def _accumulate(acc, a, b_ref, a_smem, interpret):
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
-def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
-    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], cache [B, S, R] / [B, S, P], lens [B] int32
-    (any value: clamped to [0, S] here);
+def _partials(q_lat, q_pe, ckv, kpe, lens, layer, new, *, scale, tiles, interpret):
+    """The kernel: q_lat [B, Qp, R], q_pe [B, Qp, P], every layer's cache [L, B, S, R] /
+    [L, B, S, P] of which layer `layer` ([1] int32) is read, lens [B] int32 (any value: clamped
+    to [0, S] here);
     `new` None or the new tokens' (keys [B, Tp, R] / [B, Tp, P], bits [B, WB + Tp / 32, Qp]
     int32 whose first WB = BK / 32 words are 0) -> (o [B, NS', Qp, R] in the cache dtype,
     lse [B, NS', Qp] float32, natural log): NS cache splits, then with `new` the new tokens'.
@@ -207,7 +208,7 @@ def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
     (a slot is then visible by its position alone), the new split's the keys' bits (visible by
     them alone: its position bound is -1), so one test serves both without a branch."""
     b, qp, r = q_lat.shape
-    s, p = ckv.shape[1], kpe.shape[-1]
+    s, p = ckv.shape[2], kpe.shape[-1]
     r2, bk, stages = r // 2, tiles.block_k, tiles.stages
     nq, blocks = qp // BLOCK_Q, s // bk
     wb = bk // 32
@@ -218,7 +219,7 @@ def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
     with_new = new is not None
     copies = 3 + with_new  # TMA copies a ring slot waits for
 
-    def kernel(lens_ref, ql_ref, qpe_ref, ckv_ref, kpe_ref, *rest):
+    def kernel(lens_ref, layer_ref, ql_ref, qpe_ref, ckv_ref, kpe_ref, *rest):
         if with_new:
             nckv_ref, nkpe_ref, bits_ref, o_ref, lse_ref, smem, bars = rest
         else:
@@ -231,6 +232,7 @@ def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
         lo = k * chunk
         # Clamped here rather than by XLA before the call: one launch less.
         hi = jnp.minimum(jnp.minimum(lo + chunk, s), lens_ref[bi])
+        li = layer_ref[0]
         steps = (jnp.maximum(hi - lo, 0) + bk - 1) // bk
         if with_new:
             is_new = k == ns
@@ -304,11 +306,14 @@ def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
                     )
                 plgpu.copy_gmem_to_smem(pe_ref.at[bi, key_rows], pe_smem.at[slot], ring_bar.at[slot])
 
+            # The layer's cache, read in place in the stack (a slice would reach here as a copy).
+            cache_ckv, cache_kpe = ckv_ref.at[li], kpe_ref.at[li]
+
             def load(i, slot):
                 if not with_new:
-                    tile(ckv_ref, kpe_ref, lo + i * bk, slot)
+                    tile(cache_ckv, cache_kpe, lo + i * bk, slot)
                     return
-                pl.when(k < ns)(lambda: tile(ckv_ref, kpe_ref, lo + i * bk, slot))
+                pl.when(k < ns)(lambda: tile(cache_ckv, cache_kpe, lo + i * bk, slot))
                 # Clamped: the ring's first loads are traced for every split, and a static start
                 # past the new keys fails the trace even where `steps` never runs it.
                 pl.when(is_new)(lambda: tile(nckv_ref, nkpe_ref, jnp.minimum(i * bk, new_blocks * bk - bk), slot))
@@ -363,7 +368,7 @@ def _partials(q_lat, q_pe, ckv, kpe, lens, new, *, scale, tiles, interpret):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(lens, q_lat, q_pe, ckv, kpe, *(new or ()))
+    )(lens, layer, q_lat, q_pe, ckv, kpe, *(new or ()))
 
 
 def _mask_bits(words_ref, col):
@@ -412,8 +417,8 @@ def _new_partial(q_lat, q_pe, new_ckv, new_kpe, new_mask, scale):
 def mla_attention_mosaic(
     q_lat,  # [B, T, N, R]
     q_pe,  # [B, T, N, P]
-    cache_ckv,  # [B, S, R]
-    cache_kpe,  # [B, S, P]
+    cache_ckv,  # [B, S, R], or [L, B, S, R] with `layer`
+    cache_kpe,  # [B, S, P], or [L, B, S, P]
     cache_len,  # [B]
     new_ckv,  # [B, T, R]
     new_kpe,  # [B, T, P]
@@ -422,6 +427,7 @@ def mla_attention_mosaic(
     scale: float,
     tiles: MosaicMLATiles = MosaicMLATiles(),
     interpret=None,
+    layer=None,  # int32 scalar: the layer of a stacked cache, read in place
 ):
     """Same contract as `mla_attention_reference`; float32 output [B, T, N, R].
 
@@ -431,7 +437,10 @@ def mla_attention_mosaic(
     T <= tiles.new_in_kernel the kernel attends the new tokens too (module docstring).
     """
     b, t, n, r = q_lat.shape
-    s, p = cache_ckv.shape[1], q_pe.shape[-1]
+    if layer is None:  # one layer's cache: a stack of one (a bitcast, no copy)
+        cache_ckv, cache_kpe, layer = cache_ckv[None], cache_kpe[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    s, p = cache_ckv.shape[2], q_pe.shape[-1]
     for name, dim, multiple in (("R", r, 128), ("P", p, 64), ("S", s, tiles.block_k)):
         if dim % multiple:
             raise ValueError(f"mla_attention_mosaic needs {name}={dim} to be a multiple of {multiple}")
@@ -460,7 +469,7 @@ def mla_attention_mosaic(
             )
         new = (keys(new_ckv), keys(new_kpe), _mask_words(new_mask, n, tp, qp, bk // 32))
     q_rows = rows(q_lat), rows(q_pe)
-    o, lse = _partials(*q_rows, cache_ckv, cache_kpe, lens, new, scale=scale, tiles=tiles, interpret=interpret)
+    o, lse = _partials(*q_rows, cache_ckv, cache_kpe, lens, layer, new, scale=scale, tiles=tiles, interpret=interpret)
     merged = merge.MERGE_KERNEL and merge.takes(o)
     key = None  # AR into the merge kernel: the one new key's score is computed there
     if merged and merge.MERGE_EXTENDED and new is None and t == 1 and merge.takes_key(r, p):
