@@ -161,7 +161,7 @@ def _mosaic(q_lat, q_pe, cache_ckv, *rest, scale, interpret, layer=None):
     tiles = MosaicMLATiles(new_in_kernel=MOSAIC_NEW_IN_KERNEL)
     if not (new_split_runs(interpret) and new_split_pays(b, t, n, cache_ckv.shape[-2], tiles)):
         tiles = MosaicMLATiles()
-    kw = dict(scale=scale, tiles=tiles, interpret=interpret, layer=layer)
+    kw = dict(scale=scale, tiles=tiles, interpret=interpret) | ({} if layer is None else {"layer": layer})
     return mla_attention_mosaic(q_lat, q_pe, cache_ckv, *rest, **kw)
 
 
