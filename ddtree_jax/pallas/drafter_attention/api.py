@@ -140,11 +140,10 @@ def drafter_attention(
             k_ctx, v_ctx = k_ctx[layer], v_ctx[layer]
             layer = None
     check_rank("drafter_attention", "k_ctx", k_ctx, 4 if layer is None else 5)
-    if layer is not None:  # the kernel, in place: the checks below see one layer's shapes
-        return _in_place(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, reach, tiles, int(layer))
+    lead = k_ctx.shape[:-4]  # (Ld,) read in place at `layer`; the checks below see one layer's shapes
     b, t, nq, hd = q.shape
-    s, nkv = k_ctx.shape[1], k_ctx.shape[2]
-    chex.assert_shape([k_ctx, v_ctx], (b, s, nkv, hd))
+    s, nkv = k_ctx.shape[-3], k_ctx.shape[-2]
+    chex.assert_shape([k_ctx, v_ctx], (*lead, b, s, nkv, hd))
     chex.assert_shape([k_blk, v_blk], (b, t, nkv, hd))
     chex.assert_shape(ctx_len, (b,))
     chex.assert_shape(positions, (b, t))
@@ -152,6 +151,10 @@ def drafter_attention(
         raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
     if q.size == 0:  # no queries: the kernel's padding of the block has no edge to repeat
         return jnp.zeros(q.shape, q.dtype)
+    span = s if reach is None else min(reach, s)
+    if layer is not None:
+        args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
+        return _run_kernel(*args, span=span, tiles=tiles, layer=int(layer))
     on_gpu = jax.default_backend() == "gpu"
     mesh = sharding.context_mesh()
     args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)
@@ -171,7 +174,6 @@ def drafter_attention(
             f"{named}, which split{'s' * (len(axes) == 1)} the {nq} query heads {q_split} ways (the key / value "
             f"heads {kv_split} ways), so a shard's query heads would not find their own; use implementation='xla'"
         )
-    span = s if reach is None else min(reach, s)
 
     def fn(*a):
         return _run_kernel(*a, window, causal, span=span, tiles=tiles)
@@ -190,20 +192,3 @@ def _run_kernel(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causa
     splits = num_splits(span, rows, heads // chosen.head_group)
     kw = dict(tiles=chosen, splits=splits, interpret=jax.default_backend() != "gpu", layer=layer)
     return drafter_attention_pallas(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, **kw)
-
-
-def _in_place(q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal, reach, tiles, layer):
-    """`drafter_attention`'s kernel on layer `layer` of a stacked cache [Ld, B, S, Nkv, hd] (no mesh)."""
-    b, t, nq, hd = q.shape
-    s, nkv = k_ctx.shape[2], k_ctx.shape[3]
-    chex.assert_shape([k_blk, v_blk], (b, t, nkv, hd))
-    chex.assert_shape(k_ctx, (k_ctx.shape[0], b, s, nkv, hd))
-    chex.assert_shape(ctx_len, (b,))
-    chex.assert_shape(positions, (b, t))
-    if nq % nkv:
-        raise ValueError(f"query heads ({nq}) must be a multiple of key / value heads ({nkv})")
-    if q.size == 0:
-        return jnp.zeros(q.shape, q.dtype)
-    span = s if reach is None else min(reach, s)
-    args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
-    return _run_kernel(*args, span=span, tiles=tiles, layer=layer)
