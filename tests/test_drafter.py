@@ -631,6 +631,7 @@ def test_the_loops_joint_context_projection_gives_the_per_layer_keys_and_values(
 def test_for_loop_joins_the_context_projection_only_when_asked(params, monkeypatch):
     drafter = dflash.DFlashDrafter(params=params, block_size=CFG.block_size)
     joint = drafter.for_loop().context_kv
-    assert joint.weight.shape == (CFG.hidden_size, 2 * CFG.num_hidden_layers * CFG.num_key_value_heads * CFG.head_dim)
+    want = (CFG.hidden_size, CFG.num_hidden_layers, 2, CFG.num_key_value_heads, CFG.head_dim)
+    assert joint.weight.shape == want
     monkeypatch.setattr(dflash, "FUSED_CONTEXT_KV", False)
     assert drafter.for_loop().context_kv is None

@@ -51,6 +51,10 @@ SCRIPT = textwrap.dedent(
             cache = jax.jit(lambda: KVCache.init(cfg, len(prompts), 32))()
         want = jax.sharding.NamedSharding(mesh, P(None, ("data", "model"), None, None))
         assert cache.c_kv.sharding.is_equivalent_to(want, 4), cache.c_kv.sharding
+        # The loop's joint context key / value matrix keeps the layers' split of the kv heads.
+        with sharding.use_mesh(mesh):
+            joint = jax.jit(lambda d: dflash.DFlashDrafter(params=d, block_size=4).for_loop().context_kv.weight)(sd)
+        assert joint.sharding.spec == P(None, None, None, "model"), joint.sharding
         assert generate(st, prompts, **kw).to_lists() == ref_ar, (data, model)
         tree = generate(st, sd, prompts, method="ddtree", tree_budget=6, **kw)
         assert tree.to_lists() == ref_ar, (data, model)
@@ -110,6 +114,25 @@ PALLAS_SCRIPT = textwrap.dedent(
     assert "P(('data', 'model'), None, None)" in jaxpr and jaxpr.count("all_to_all") >= 3, jaxpr
     assert got.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("data", None, "model", None)), 4)
     np.testing.assert_allclose(got, mla_attention(*q8, *kv8, mask8, scale=0.3), atol=1e-4, rtol=1e-4)
+    # Every layer's cache [L, B, S, *] and a traced layer, as the model hands them: each shard's
+    # kernel gets the whole stack of its rows and the index, and attends that layer.
+    seen = []
+
+    def stacked_stand_in(*a, scale, tiles=None, interpret=None, layer=None):
+        seen.append((a[2].shape, None if layer is None else layer.shape))
+        a = list(a)
+        if layer is not None:
+            a[2], a[3] = a[2][layer], a[3][layer]
+        return mla_api.mla_attention_reference(*a, scale)
+
+    mla_api.mla_attention_mosaic = stacked_stand_in
+    mla_at = jax.jit(lambda li, *a: mla_attention(*a, scale=0.3, implementation="mosaic", layer=li))
+    for qs, (ckv, kpe, *rest), m in ((q, kv, mask), (q8, kv8, mask8)):
+        stack = [jnp.stack([x * 0.5, x, -x]) for x in (ckv, kpe)]
+        with jax.set_mesh(mesh):
+            got = mla_at(jnp.int32(1), *qs, *stack, *rest, m)
+        assert seen[-1] == ((3, 1, 10, 16), ()), seen  # batch 2 over data, or 8 by sequence: one row here
+        np.testing.assert_allclose(got, mla_attention(*qs, ckv, kpe, *rest, m, scale=0.3), atol=1e-4, rtol=1e-4)
 
     # The drafter's block attention kernel per shard of batch and heads: kv heads split with the
     # query heads (8 / 4 over model=4), or one kv head kept whole; kv heads the mesh cannot split
@@ -130,6 +153,23 @@ PALLAS_SCRIPT = textwrap.dedent(
             assert "shard_map" in str(jax.make_jaxpr(dfn)(*da))
             got = dfn(*da)
         np.testing.assert_allclose(got, drafter_attention_reference(*da, 12, True), atol=1e-5, rtol=1e-5)
+    # Every layer's context cache [Ld, B, S, Nkv, hd] and a static layer, as the drafter hands
+    # them: each shard's kernel reads that layer in the stack of its rows and heads.
+    kernel_calls, real_kernel = [], drafter_api.drafter_attention_pallas
+
+    def spy(q, k, *a, **kw):
+        kernel_calls.append((k.shape, kw["layer"]))
+        return real_kernel(q, k, *a, **kw)
+
+    drafter_api.drafter_attention_pallas = spy
+    k_all, v_all = (jnp.stack([x, -x, x * 0.5]) for x in da[1:3])
+    dfn = jax.jit(lambda q, k, v, *a: drafter_attention(q, k, v, *a, window=12, causal=True, implementation="pallas", layer=2))
+    with jax.set_mesh(mesh):
+        got = dfn(da[0], k_all, v_all, *da[3:])
+    assert kernel_calls == [((3, 1, 32, 1, 16), 2)], kernel_calls  # rows over data, the one kv head whole
+    want = drafter_attention_reference(da[0], k_all[2], v_all[2], *da[3:], 12, True)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    drafter_api.drafter_attention_pallas = real_kernel
     drafter_api.GROUP_HEADS = False
     da2 = (f(2, 16, 8, 16), f(2, 32, 2, 16), f(2, 32, 2, 16), jnp.asarray([20, 9], jnp.int32), pos,
            f(2, 16, 2, 16), f(2, 16, 2, 16))

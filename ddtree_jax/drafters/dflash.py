@@ -665,28 +665,26 @@ def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]
 FUSED_CONTEXT_KV = True
 """Whether `DFlashDrafter.for_loop` joins every layer's context key and value weights into one
 matrix (`ContextKV`), so that a round's context keys / values are one GEMM and one norm + RoPE
-fusion instead of a few per layer (single device only). Read when traced."""
+fusion instead of a few per layer. Read when traced."""
 
 
 @struct.dataclass
 class ContextKV:
     """Every layer's context key / value projection as one matrix, for the decode loop."""
 
-    weight: jax.Array  # [H, Ld * 2 * Nkv * hd]: layer, then (k, v), then head, then hd
+    weight: jax.Array  # [H, Ld, 2, Nkv, hd]: one GEMM's [H, Ld * 2 * Nkv * hd], heads split as the layers'
     k_norm: jax.Array  # [Ld, hd]
 
     @classmethod
     def of(cls, layers: DrafterLayerParams) -> ContextKV:
         """From stacked layers (k, v: [Ld, H, Nkv, hd])."""
         kv = jnp.stack([layers.k, layers.v], axis=1)  # [Ld, 2, H, Nkv, hd]
-        h = kv.shape[2]
-        return cls(weight=jnp.moveaxis(kv, 2, 0).reshape(h, -1), k_norm=layers.k_norm)
+        return cls(weight=jnp.moveaxis(kv, 2, 0), k_norm=layers.k_norm)
 
 
 def _joint_keys_values(cfg: DrafterConfig, ckv: ContextKV, ctx, cos, sin) -> tuple[jax.Array, jax.Array]:
     """`_per_layer_keys_values` from one GEMM: k, v [Ld, B, T, Nkv, hd]."""
-    b, t, _ = ctx.shape
-    kv = linear(ctx, ckv.weight).reshape(b, t, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
+    kv = linear(ctx, ckv.weight)  # [B, T, Ld, 2, Nkv, hd]
     k = apply_rope(rms_norm(kv[:, :, :, 0], ckv.k_norm[:, None, :], cfg.rms_norm_eps), cos, sin)
     return jnp.moveaxis(k, 2, 0), jnp.moveaxis(kv[:, :, :, 1], 2, 0)
 
@@ -956,9 +954,7 @@ class DFlashDrafter:
         if isinstance(self.params.layers, Unstacked):
             return self
         layers = self.params.layers
-        # Under a mesh the layers' key / value heads are split by the sharding rules; the
-        # joined matrix is not, so it is left to the per-layer path there.
-        joint = ContextKV.of(layers) if FUSED_CONTEXT_KV and sharding.context_mesh() is None else None
+        joint = ContextKV.of(layers) if FUSED_CONTEXT_KV else None
         return self.replace(params=self.params.replace(layers=unstack(layers)), context_kv=joint)
 
     def init_state(self, target: TargetParams, batch: int, capacity: int) -> DrafterCache:

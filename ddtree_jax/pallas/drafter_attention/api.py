@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation, check_rank
@@ -122,7 +123,7 @@ def drafter_attention(
         heads of its query heads, else XLA; `uses_kernel`), or "mosaic" (no Mosaic kernel: XLA).
       tiles: the kernel's `DrafterAttentionTiles` (None: the defaults).
       layer: which layer of a stacked cache to attend. The kernel reads a static one in place
-        (without a mesh); otherwise that layer's slice is taken first. Sliced, it reached the
+        (per shard under a mesh); otherwise that layer's slice is taken first. Sliced, it reached the
         kernel as a copy XLA made every round, of every slot of the cache.
 
     Returns:
@@ -130,17 +131,8 @@ def drafter_attention(
     """
     check_implementation(implementation, AVAILABLE, "drafter_attention")
     check_rank("drafter_attention", "q", q, 4)
-    if layer is not None:
-        check_rank("drafter_attention", "k_ctx", k_ctx, 5)
-        chex.assert_equal_shape([k_ctx, v_ctx])
-        one = jax.ShapeDtypeStruct(k_ctx.shape[1:], k_ctx.dtype)
-        static = isinstance(layer, int | np.integer) and 0 <= layer < k_ctx.shape[0]
-        in_place = static and sharding.context_mesh() is None
-        if not (in_place and uses_kernel(implementation, q, one, jax.default_backend() == "gpu")):
-            k_ctx, v_ctx = k_ctx[layer], v_ctx[layer]
-            layer = None
     check_rank("drafter_attention", "k_ctx", k_ctx, 4 if layer is None else 5)
-    lead = k_ctx.shape[:-4]  # (Ld,) read in place at `layer`; the checks below see one layer's shapes
+    lead = k_ctx.shape[:-4]  # (Ld,) with `layer`; the checks below see one layer's shapes
     b, t, nq, hd = q.shape
     s, nkv = k_ctx.shape[-3], k_ctx.shape[-2]
     chex.assert_shape([k_ctx, v_ctx], (*lead, b, s, nkv, hd))
@@ -152,16 +144,19 @@ def drafter_attention(
     if q.size == 0:  # no queries: the kernel's padding of the block has no edge to repeat
         return jnp.zeros(q.shape, q.dtype)
     span = s if reach is None else min(reach, s)
-    if layer is not None:
-        args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk, window, causal)
-        return _run_kernel(*args, span=span, tiles=tiles, layer=int(layer))
     on_gpu = jax.default_backend() == "gpu"
     mesh = sharding.context_mesh()
+    one = jax.ShapeDtypeStruct(k_ctx.shape[-4:], k_ctx.dtype)  # one layer's cache
+    shapes = (q, one, one, ctx_len, positions, k_blk, v_blk)
+    specs, fit, (q_split, kv_split) = (None, True, (1, 1)) if mesh is None else _shard_specs(mesh, shapes, nq, nkv)
+    kernel = uses_kernel(implementation, q, one, on_gpu, fit)
+    in_place = kernel and isinstance(layer, int | np.integer) and 0 <= layer < k_ctx.shape[0]
+    if layer is not None and not in_place:
+        k_ctx, v_ctx = k_ctx[layer], v_ctx[layer]
     args = (q, k_ctx, v_ctx, ctx_len, positions, k_blk, v_blk)
-    specs, fit, (q_split, kv_split) = (None, True, (1, 1)) if mesh is None else _shard_specs(mesh, args, nq, nkv)
-    if not uses_kernel(implementation, q, k_ctx, on_gpu, fit):
+    if not kernel:
         return drafter_attention_reference(*args, window, causal)
-    if not takes(q, k_ctx):
+    if not takes(q, one):
         raise ValueError(
             f"drafter_attention: the pallas kernel needs a head dim that is a power of two >= 16 and a cache of "
             f">= 16 slots, got head dim {hd} and {s} slots; use implementation='xla'"
@@ -176,10 +171,12 @@ def drafter_attention(
         )
 
     def fn(*a):
-        return _run_kernel(*a, window, causal, span=span, tiles=tiles)
+        return _run_kernel(*a, window, causal, span=span, tiles=tiles, layer=int(layer) if in_place else None)
 
     if mesh is None:
         return fn(*args)
+    if in_place:  # the stack's layer axis kept whole on every shard
+        specs = (specs[0], P(None, *specs[1]), P(None, *specs[2]), *specs[3:])
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 

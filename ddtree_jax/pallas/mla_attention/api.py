@@ -48,6 +48,9 @@ _AXES = (
 )
 """Logical axes of the operands as the model makes them."""
 
+_STACKED_AXES = (*_AXES[:2], *[(None, "batch", None, None)] * 2, *_AXES[4:], ())
+"""The same with every layer's cache [L, B, S, *] and the layer's index last."""
+
 
 def mla_attention(
     q_lat: jax.Array,  # [B, T, N, R]
@@ -94,7 +97,7 @@ def mla_attention(
       span: a static bound on the new tokens' offsets from cache_len ("exact" only);
         default T.
       layer: with it, cache_ckv / cache_kpe hold every layer's cache [L, B, S, R] / [L, B, S, P]
-        and this layer's is attended: read in place by the Mosaic kernel (without a mesh),
+        and this layer's is attended: read in place by the Mosaic kernel (per shard under a mesh),
         sliced first otherwise.
 
     Under a mesh whose latent cache is split by sequence (`sharding.cache_split`), each
@@ -124,11 +127,10 @@ def mla_attention(
         implementation = "mosaic" if on_hopper() and _mosaic_takes(q_lat, q_pe, one) else "xla"
     if implementation == "pallas":  # no Triton-lowered MLA kernel any more (see above)
         implementation = "xla"
-    if layer is not None:
-        if implementation == "mosaic" and sharding.context_mesh() is None:
-            # The kernel reads the layer in the stack: a slice reached it as a copy of every slot.
-            kw = dict(scale=scale, interpret=mosaic_interpret(), layer=layer)
-            return _mosaic(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, **kw)
+    # The Mosaic kernel reads the layer in the stack, also per shard: a slice reached it as a
+    # copy of every slot. The other paths take the slice (XLA fuses it into its consumers).
+    stacked = layer is not None and implementation == "mosaic"
+    if layer is not None and not stacked:
         cache_ckv, cache_kpe = cache_ckv[layer], cache_kpe[layer]
     args = (q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask)
     if implementation == "exact":
@@ -138,11 +140,16 @@ def mla_attention(
         span = t if span is None else span
         fn = lambda *a: mla_attention_exact(*a, scale, span)  # noqa: E731
         args, axes = (*args, positions), (*_AXES, ("batch", None))
+    elif stacked:  # the layer index travels as the last operand, whole on every shard
+        fn = lambda *a: _mosaic(*a[:-1], scale=scale, interpret=mosaic_interpret(), layer=a[-1])  # noqa: E731
+        args, axes = (*args, jnp.asarray(layer, jnp.int32)), _STACKED_AXES
     elif implementation == "mosaic":
         fn = functools.partial(_mosaic, scale=scale, interpret=mosaic_interpret())
         axes = _AXES
     else:
         fn, axes = functools.partial(mla_attention_reference, scale=scale), _AXES
+    if sharding.context_mesh() is None:
+        return fn(*args)
     home, extra = sharding.cache_split(b)
     if extra:  # the cache split by sequence: each device attends for its own sequences
         return _per_sequence(fn, args, axes, home, extra)
@@ -174,8 +181,8 @@ def _per_sequence(fn, args, axes, home, extra):
     heads back.
     """
     specs = [sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True)]
-    cache_spec = P(home + extra, None, None)
-    specs[2] = specs[3] = cache_spec
+    stack = (None,) * (args[2].ndim - 3)  # a layer stack's axis, kept whole
+    specs[2] = specs[3] = P(*stack, home + extra, None, None)
     heads = specs[0][2]
     if heads is not None and heads != extra[-1]:
         raise NotImplementedError(
@@ -188,7 +195,7 @@ def _per_sequence(fn, args, axes, home, extra):
         q = [sharding.rows_here(x, lead) if lead else x for x in (q_lat, q_pe)]
         if heads is not None:
             q = [jax.lax.all_to_all(x, heads, 0, 2, tiled=True) for x in q]
-        out = fn(*q, ckv, kpe, *(sharding.rows_here(x, extra) for x in rest))
+        out = fn(*q, ckv, kpe, *(sharding.rows_here(x, extra) if x.ndim else x for x in rest))
         if heads is not None:
             # Sent in the queries' dtype: the caller rounds to it first thing anyway.
             sent = jax.lax.all_to_all(out.astype(q_lat.dtype), heads, 2, 0, tiled=True)
