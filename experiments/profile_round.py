@@ -16,6 +16,8 @@ round, and the N largest; `--stage-kernels N` the same for each stage alone, and
 `--pairs N` also times AR and DDTree in the loop in N interleaved pairs and reports the
 median round / AR ratio with its quartiles, which a drift of the machine between the
 separate in-loop measurements cannot move.
+`--temperature T` times the sampled loop (the stages and both loops sample at T, key 0; the
+round's cost does not depend on which tokens come).
 `--set MODULE.NAME=VALUE` overrides a module constant first, so one call can profile a
 change on and off, e.g.
 `--set ddtree_jax.generate.HOIST_LOOP_INVARIANTS=False ddtree_jax.tree.TOP_K_CHUNK=0`.
@@ -176,6 +178,7 @@ def main():
         help="also time round / AR in the loop from N interleaved AR / DDTree pairs (median, quartiles)",
     )
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument(
         "--unroll-max-layers",
         type=int,
@@ -201,6 +204,13 @@ def main():
     _settings.apply(args.set)
     if args.pairs < 0:
         ap.error(f"--pairs must be >= 0, got {args.pairs}")
+    try:
+        sampling = SamplingConfig(temperature=args.temperature)
+    except (TypeError, ValueError) as e:
+        ap.error(f"--temperature: {e}")
+    key = jax.random.key(0)
+    # generate's own sampling arguments for the loops; greedy passes none (its default program).
+    sampled = dict(temperature=args.temperature, key=key) if args.temperature else {}
 
     dtype = jnp.dtype(args.dtype)
     if args.random:
@@ -217,8 +227,6 @@ def main():
     d = DFlashDrafter(params=dparams, block_size=dparams.config.block_size)
     # The stages as the loop runs them (generate passes its resolved numerics and implementation).
     target, d = for_loop(target, d, resolve_numerics(None, target.dtype, "auto"), "auto")
-    greedy = SamplingConfig()
-    key = jax.random.key(0)
     rows, stage_tables = [], {}
 
     def stage(b, name, fn, stage_args):
@@ -242,12 +250,12 @@ def main():
 
         def ar_step(cache, roots):
             out = decode.verify(target, cache, decode.build_tree("ar", None, roots, 0))
-            return decode.target_choices(target, out.hidden, key, greedy)[0]
+            return decode.target_choices(target, out.hidden, key, sampling)[0]
 
         t_ar = stage(b, "ar_step", ar_step, (cache, roots))
         loop_prompts = np.asarray(prompt)
         t_ar_loop, ar_kernels, t_ar_one = in_loop(
-            target, dparams, loop_prompts, "ar", None, args.loop_tokens, kernels=args.kernels
+            target, dparams, loop_prompts, "ar", None, args.loop_tokens, kernels=args.kernels, **sampled
         )
         draft_fn = lambda st, cache, roots: d.propose(st, target, cache, roots, key)  # noqa: E731
         t_draft = stage(b, "draft", draft_fn, (dstate, cache, roots))
@@ -263,7 +271,7 @@ def main():
 
             def verify(cache, tree):
                 out = decode.verify(target, cache, tree, tap_layers=d.tap_layers)
-                return decode.target_choices(target, out.hidden, key, greedy)[0], out
+                return decode.target_choices(target, out.hidden, key, sampling)[0], out
 
             t_verify = stage(b, f"verify{budget}", lambda c, t: verify(c, t)[0], (cache, tree))
             choices, out = jax.jit(verify)(cache, tree)
@@ -279,11 +287,12 @@ def main():
 
             t_finish = stage(b, f"accept_commit{budget}", finish, (cache, dstate, tree, choices, out))
             t_round_loop, round_kernels, t_round_one = in_loop(
-                target, dparams, loop_prompts, "ddtree", budget, args.loop_tokens, kernels=args.kernels
+                target, dparams, loop_prompts, "ddtree", budget, args.loop_tokens, kernels=args.kernels, **sampled
             )
             row = {
                 "batch": b,
                 "budget": budget,
+                "temperature": args.temperature,
                 "ar_step_ms": t_ar * 1e3,
                 "draft_ms": t_draft * 1e3,
                 "tree_ms": t_tree * 1e3,
@@ -298,7 +307,9 @@ def main():
             # What a generate call costs beyond its rounds (one-token call): paid once per prompt.
             row["ar_call_ms"], row["round_call_ms"] = t_ar_one * 1e3, t_round_one * 1e3
             if args.pairs:
-                row.update(paired_in_loop(target, dparams, loop_prompts, budget, args.loop_tokens, args.pairs))
+                row.update(
+                    paired_in_loop(target, dparams, loop_prompts, budget, args.loop_tokens, args.pairs, **sampled)
+                )
             if args.kernels:
                 row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels
             if args.stage_kernels:
@@ -306,7 +317,10 @@ def main():
                 row["stage_kernels"] = {n.removesuffix(str(budget)): stage_tables[b, n] for n in names}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\ndevice {jax.devices()[0].device_kind}, {args.dtype}, context {args.context}, per call (ms)")
+    print(
+        f"\ndevice {jax.devices()[0].device_kind}, {args.dtype}, context {args.context}, "
+        f"T = {args.temperature:g}, per call (ms)"
+    )
     print(
         "| batch | budget | AR step | draft | build tree | verify | accept+commit | sum | sum / AR "
         "| AR in loop | round in loop | round / AR in loop |"

@@ -450,9 +450,11 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
         *("--checkpoints", tiny_pair),
         *("--batch-sizes", "1", "--budgets", "8", "--context", "16", "--reps", "2"),
         *("--loop-tokens", "8", "--dtype", "float32", "--out", out, "--stage-hlo", tmp_path / "hlo", "--pairs", "3"),
+        *("--temperature", "1"),  # the sampled loop (greedy is the same code with no sampling arguments)
     )
     assert res.returncode == 0, res.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
+    assert row["temperature"] == 1.0
     hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
     assert hlo == [f"b1_{n}.hlo.txt" for n in ("accept_commit8", "ar_step", "draft", "tree8", "verify8")]
     assert "HloModule" in (tmp_path / "hlo" / "b1_draft.hlo.txt").read_text()
@@ -469,6 +471,9 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     q25, q75 = row["paired_round_over_ar_q25_q75"]
     assert math.isnan(row["paired_round_over_ar"]) or q25 <= row["paired_round_over_ar"] <= q75
     assert "--pairs must be >= 0, got -1" in refusal("profile_round.py", "--pairs", "-1")
+    assert "--temperature: temperature must be a finite number >= 0, got -1.0" in refusal(
+        "profile_round.py", "--temperature", "-1"
+    )
 
 
 def test_call_cost_splits_a_call_from_its_rounds(tiny_pair, tmp_path):
