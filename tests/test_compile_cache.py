@@ -2,6 +2,8 @@
 
 import io
 import os
+import subprocess
+import sys
 import tarfile
 
 import jax
@@ -183,3 +185,31 @@ def test_the_shipped_autotuning_archives_hold_results_per_gpu_model(tmp_path):
     assert compile_cache.seed_autotune(compile_cache.SHIPPED_AUTOTUNE, str(tmp_path)) > 100
     for model_folder in os.listdir(tmp_path):
         assert all(name.endswith(".pb") for name in os.listdir(tmp_path / model_folder))
+
+
+KEY_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp
+if sys.argv[1] == "generate":
+    import ddtree_jax.generate  # one process with more of the package loaded than the other
+from ddtree_jax import compile_cache
+leaves, treedef = jax.tree.flatten((jnp.zeros(3),))
+print(compile_cache._key(jax.jit(lambda x: x + 1), treedef, leaves, {"a": 1}))
+"""
+
+
+def test_the_key_is_the_same_in_every_process(tmp_path):
+    """Two processes with other string hashes (PYTHONHASHSEED) and other modules loaded compute
+    one key for one program: a frozenset setting (`hf.READABLE_KINDS`) printed in hash order, and
+    the settings of only the loaded modules, made every process's keys its own, so no process
+    loaded what another had stored."""
+    script = tmp_path / "key.py"
+    script.write_text(KEY_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    keys = set()
+    for seed, imports in (("1", "cache"), ("2", "generate")):
+        env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+        proc = subprocess.run([sys.executable, str(script), imports], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        keys.add(proc.stdout.strip())
+    assert len(keys) == 1, keys
