@@ -51,6 +51,7 @@ def pytest_configure(config):
     (read when jax is imported; `compile_cache.enable` keeps a folder configured that way), so
     the experiment scripts do not write their tiny programs either.
     """
+    config.addinivalue_line("markers", f"{CLEARS_CACHES}: the test empties jax's in-process caches (jax.clear_caches)")
     global _SESSION_CACHE
     if "PYTEST_XDIST_WORKER" not in os.environ and compile_cache.ENV not in os.environ:
         _SESSION_CACHE = tempfile.mkdtemp(prefix="ddtree_jax_xla_")
@@ -66,6 +67,10 @@ def pytest_configure(config):
 # Module-scoped fixtures that take tens of seconds or more to build (the 8-device sharding
 # subprocess, the shipped pair's and the decode tests' greedy runs, the HF and DFlash references).
 SHARED_FIXTURES = {"sharded_runs", "shipped", "greedy", "parity", "drafter_parity", "end_to_end"}
+# Tests that call jax.clear_caches() (test_compile_cache's fresh-process checks, kernel flags read
+# when traced): one group, so that they run one after another on one worker. Spread over both,
+# each clear made the worker's next tests compile again every small program they had compiled.
+CLEARS_CACHES = "clears_jax_caches"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
@@ -79,12 +84,15 @@ def pytest_collection_modifyitems(items):
     out work in collection order, and a long group handed out last keeps one worker busy
     while the other has nothing left."""
     for item in items:
-        if SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.get_closest_marker(CLEARS_CACHES) is not None:
+            item.add_marker(pytest.mark.xdist_group(CLEARS_CACHES))
+        elif SHARED_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
     def rank(item):
         names = set(getattr(item, "fixturenames", ()))
-        return 0 if "sharded_runs" in names else 1 if SHARED_FIXTURES & names else 2
+        grouped = SHARED_FIXTURES & names or item.get_closest_marker(CLEARS_CACHES) is not None
+        return 0 if "sharded_runs" in names else 1 if grouped else 2
 
     items.sort(key=rank)  # stable: each module keeps its order
 
@@ -130,8 +138,17 @@ def tiny(**overrides) -> config.TargetConfig:
     return dataclasses.replace(config.TINY, **{"eos_token_id": None, "bos_token_id": None, **overrides})
 
 
-def random_target(cfg: config.TargetConfig, seed: int = 0, std: float = 0.15) -> model.TargetParams:
-    """Random float32 weights large enough that attention and routing are far from uniform."""
+_init_params_jit = jax.jit(model.init_params, static_argnums=0, static_argnames=("dtype", "std"))
+
+
+def random_target(cfg: config.TargetConfig, seed: int = 0, std: float = 0.15, jit: bool = False) -> model.TargetParams:
+    """Random float32 weights large enough that attention and routing are far from uniform.
+
+    jit: drawn by one compiled program (one compile a config) instead of op by op (one compile
+    per op and weight shape, seconds for a new config in a fresh process); other values than
+    op by op (XLA fuses the draws), so only for checks that compare two runs on the same weights."""
+    if jit:
+        return _init_params_jit(cfg, jax.random.PRNGKey(seed), std=std)
     return model.init_params(cfg, jax.random.PRNGKey(seed), std=std)
 
 

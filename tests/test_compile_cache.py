@@ -16,6 +16,7 @@ from ddtree_jax.pallas.moe import reference as moe_reference
 from tests.conftest import random_target, tiny
 
 PROMPT = [[5, 17, 33, 2, 9]]
+pytestmark = pytest.mark.clears_jax_caches  # `folder`: as in a new process, nothing compiled in memory
 
 
 @pytest.fixture

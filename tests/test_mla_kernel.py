@@ -294,6 +294,7 @@ def test_the_new_split_where_it_pays(monkeypatch):
     assert seen == [0, 256, 0]
 
 
+@pytest.mark.clears_jax_caches
 def test_generate_with_the_mosaic_kernels(monkeypatch, request):
     """Greedy AR and DDTree with both Mosaic kernels (attention and experts) in float32
     interpret mode give the XLA path's tokens, with the model's default new-token policy: the
@@ -396,6 +397,7 @@ def test_merge_kernel_matches_the_xla_merge(monkeypatch, with_new, k):
         merge.merge_partials(jnp.zeros((1, 257, 16, r)), jnp.zeros((1, 257, 16)), rows=q, interpret=True)
 
 
+@pytest.mark.clears_jax_caches
 @pytest.mark.parametrize("extended", [False, True])
 @pytest.mark.parametrize(("t", "new_in_kernel"), [(1, 0), (3, 0), (3, 64)])
 def test_mosaic_with_the_merge_kernel(monkeypatch, t, new_in_kernel, extended):

@@ -199,13 +199,15 @@ def test_cli_eval_on_prepared_test_split(tmp_path, capsys):
 
 def test_cli_eval_runs_every_prompt_set(tmp_path, capsys):
     out_json = tmp_path / "rows.json"
-    args = ["eval", "--prompts", "humaneval", "test", "--limit", "1", "--methods", "ar", "--max-new-tokens", "4"]
+    # _eval's length: the test set's AR program (batch 1, one 128-token window) is the one
+    # test_cli_eval_without_prepared_data_tokenizes_stdlib compiles (loaded, not compiled, once a session).
+    args = ["eval", "--prompts", "humaneval", "test", "--limit", "1", "--methods", "ar", "--max-new-tokens", "8"]
     main([*args, "--data", str(tmp_path), "--out", str(out_json)])
     out = capsys.readouterr().out
     assert "humaneval prompts: 1," in out and "test prompts: 1," in out
     with open(out_json) as f:
         rows = json.load(f)["rows"]
-    assert [(r["prompt_set"], r["method"], r["tokens"]) for r in rows] == [("humaneval", "ar", 4), ("test", "ar", 4)]
+    assert [(r["prompt_set"], r["method"], r["tokens"]) for r in rows] == [("humaneval", "ar", 8), ("test", "ar", 8)]
 
 
 def test_cli_eval_without_prepared_data_tokenizes_stdlib(tmp_path, capsys):
