@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import glob
 import hashlib
 import importlib
@@ -375,16 +376,13 @@ def _package_source_digest() -> str:
 
 
 _SIMPLE = (bool, int, float, str, type(None), tuple, frozenset)
-_package_imported = False
 
 
+@functools.cache
 def _import_package() -> None:
     """Imports every module of this package, once a process."""
-    global _package_imported
-    if not _package_imported:
-        for info in pkgutil.walk_packages(sys.modules[__package__].__path__, f"{__package__}."):
-            importlib.import_module(info.name)
-        _package_imported = True
+    for info in pkgutil.walk_packages(sys.modules[__package__].__path__, f"{__package__}."):
+        importlib.import_module(info.name)
 
 
 def _stable_repr(value) -> str:

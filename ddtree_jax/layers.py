@@ -138,8 +138,12 @@ class Unstacked:
 
 def unstack(stack) -> Unstacked:
     """Stacked pytree (every leaf [L, ...]) -> Unstacked of L per-layer pytrees."""
-    n = jax.tree.leaves(stack)[0].shape[0]
-    return Unstacked(tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)))
+    return Unstacked(tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(layer_count(stack))))
+
+
+def layer_count(stack) -> int:
+    """L, the layers of a stacked pytree (every leaf [L, ...]) or of an Unstacked one."""
+    return len(stack) if isinstance(stack, Unstacked) else jax.tree.leaves(stack)[0].shape[0]
 
 
 def layer_structure(stack):

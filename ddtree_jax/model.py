@@ -35,6 +35,7 @@ from ddtree_jax.layers import (
     Unstacked,
     apply_rope,
     einsum,
+    layer_count,
     layer_structure,
     linear,
     rms_norm,
@@ -463,7 +464,7 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
         if stack is None or isinstance(stack, Unstacked):
             return stack
         path = _routed_path(stack, implementation, params.dtype)
-        if not _unrolled(numerics, jax.tree.leaves(stack)[0].shape[0], path):
+        if not _unrolled(numerics, layer_count(stack), path):
             return stack
         # Only the XLA path dequantizes INT4 experts itself (the others take them or refuse them).
         int4 = lambda a: path == "xla" and isinstance(a, QuantizedArray)  # noqa: E731
@@ -698,7 +699,7 @@ def _run_layers(
     """
     is_moe = isinstance(layer_structure(layers).mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
-    n_layers = len(layers) if isinstance(layers, Unstacked) else jax.tree.leaves(layers)[0].shape[0]
+    n_layers = layer_count(layers)
     stacked = numerics == "fast" and not isinstance(layers, Unstacked)
     path = _routed_path(layers, implementation, x.dtype) if stacked else None
     routed = None  # routed-expert stacks the Mosaic kernels index in place

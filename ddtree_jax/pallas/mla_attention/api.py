@@ -153,7 +153,7 @@ def mla_attention(
     home, extra = sharding.cache_split(b)
     if extra:  # the cache split by sequence: each device attends for its own sequences
         return _per_sequence(fn, args, axes, home, extra)
-    if implementation == "mosaic" and sharding.context_mesh() is not None:
+    if implementation == "mosaic":
         # Per shard: the batch and the query heads as the mesh's rules split them.
         specs = tuple(sharding.kernel_spec(a, x.shape) for a, x in zip(axes, args, strict=True))
         # check_vma=False: pallas_call outputs carry no varying-axes annotation.
