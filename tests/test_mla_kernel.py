@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.pallas import mosaic_interpret
 from ddtree_jax.pallas.mla_attention import mla_attention
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.tree import build_ddtree
@@ -85,7 +86,6 @@ def test_bench_smoke(capsys):
 
 
 def _mosaic(*args, scale, **tiles):
-    from ddtree_jax.pallas import mosaic_interpret
     from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 
     return mla_attention_mosaic(*args, scale=scale, tiles=MosaicMLATiles(**tiles), interpret=mosaic_interpret())
@@ -137,7 +137,7 @@ def test_mosaic_reads_a_layer_of_the_stacked_cache_in_place(monkeypatch, new_in_
     stacked = (q_lat, q_pe, ckv_all, kpe_all, lens, nckv, nkpe, mask)
     for layer in range(3):
         got = mosaic.mla_attention_mosaic(
-            *stacked, scale=0.05, tiles=tiles, interpret=_interpret(), layer=jnp.int32(layer)
+            *stacked, scale=0.05, tiles=tiles, interpret=mosaic_interpret(), layer=jnp.int32(layer)
         )
         np.testing.assert_allclose(got, want[layer], atol=2e-5, rtol=1e-5)
     # Through the dispatch (no mesh): the stack and the layer reach the kernel, no slice.
@@ -156,12 +156,6 @@ def test_mosaic_reads_a_layer_of_the_stacked_cache_in_place(monkeypatch, new_in_
     assert seen == [(4, True)]
     got = mla_attention(*stacked, scale=0.05, implementation="xla", layer=jnp.int32(1))
     np.testing.assert_allclose(got, want[1], atol=2e-5, rtol=1e-5)
-
-
-def _interpret():
-    from ddtree_jax.pallas import mosaic_interpret
-
-    return mosaic_interpret()
 
 
 def test_mosaic_ar_with_its_key_masked_and_lengths_outside_the_cache():
