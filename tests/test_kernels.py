@@ -104,3 +104,35 @@ def test_moe_xla_paths_equal_dense_reference(t, k, e, dense_max, monkeypatch):
     want = moe_experts_reference(x, idx, w, gate, up, down)
     got = moe_experts(x, idx, w, gate, up, down)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_flat_dense_pass_drops_other_shards_pairs_and_unchosen_experts():
+    """The dense pass as flat GEMMs (reference.DENSE_FLAT): pairs with ids >= E (another
+    shard's) add nothing, an unchosen expert's non-finite gate / up weights do not reach the
+    output, and in bf16 it stays within bf16 rounding of the float32 oracle."""
+    from ddtree_jax.pallas.moe import reference
+
+    t, k, e, h, i = 13, 2, 16, 24, 8
+    key = jax.random.split(jax.random.PRNGKey(7), 6)
+    x = jax.random.normal(key[0], (t, h))
+    idx = jnp.argsort(jax.random.uniform(key[1], (t, e)), axis=-1)[:, :k].astype(jnp.int32)
+    idx = idx.at[::3, 1].set(e)  # dropped pairs
+    w = jax.random.uniform(key[2], (t, k))
+    gate, up = jax.random.normal(key[3], (e, h, i)), jax.random.normal(key[4], (e, h, i))
+    down = jax.random.normal(key[5], (e, i, h))
+    unchosen = int(np.setdiff1d(np.arange(e), np.asarray(idx))[0])
+    gate = gate.at[unchosen].set(jnp.nan)
+    up = up.at[unchosen].set(jnp.inf)
+    want = moe_experts_reference(x, idx, w, gate, up, down)
+    assert reference.DENSE_FLAT and t * k > e and t <= reference.DENSE_MAX_TOKENS  # the flat dense pass runs
+    got = reference.moe_experts_xla(x, idx, w, gate, up, down)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    bf = [a.astype(jnp.bfloat16) for a in (x, gate, up, down)]
+    got16 = reference.moe_experts_xla(bf[0], idx, w, *bf[1:])
+    want32 = moe_experts_reference(
+        *(a.astype(jnp.float32) for a in bf[:1]), idx, w, *(a.astype(jnp.float32) for a in bf[1:])
+    )
+    np.testing.assert_allclose(
+        np.asarray(got16, np.float32), want32, rtol=0.05, atol=0.05 * float(jnp.abs(want32).max())
+    )

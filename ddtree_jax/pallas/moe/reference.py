@@ -35,6 +35,9 @@ reference's batched GEMMs, E / K times the routed FLOPs) instead of sort + ragge
 Both read every expert's weights once; the dense FLOPs stay below the time of that read
 while T < peak FLOP/s / HBM bytes/s (~240 on an H200 for bf16 weights), and the dense
 path launches no sort, gather or scatter: a tree verify's MoE in a launch-bound round."""
+DENSE_FLAT = True
+"""The dense pass as two plain GEMMs over every expert's columns (`_moe_dense_flat`) instead
+of the reference's batched GEMMs per expert and its separate weighted combine."""
 INT4_EXPERT_CHUNK = 8
 """INT4 experts the grouped XLA path dequantizes at a time, in a scan over chunks..."""
 INT4_DEQUANT_ALL_BYTES = 64 * 2**20
@@ -63,6 +66,25 @@ def moe_experts_reference(x, idx, w, gate, up, down):
     # An expert no token chose adds nothing, even where its weights (and so y) are not finite.
     y = jnp.where(jnp.any(idx[None, :, :] == jnp.arange(gate.shape[0])[:, None, None], axis=-1)[..., None], y, 0)
     return jnp.sum(comb.T[..., None] * y.astype(f32), axis=0).astype(x.dtype)
+
+
+def _moe_dense_flat(x, idx, w, gate, up, down):
+    """Every expert on every token, as GEMMs over all experts' columns at once: x [T, H]
+    against gate / up as [H, E * I], then each token's activations scaled by its routing
+    weight (0 for experts it did not choose) against down as [E * I, H], which sums the
+    experts in the GEMM's float32 accumulator. The reference rounds each expert's output to
+    x's dtype before its weighted float32 sum; here the scaled activations are rounded
+    instead. Unchosen experts' activations are zeroed, but an unchosen expert's non-finite
+    `down` weights still make every token's output non-finite (the loaders refuse them)."""
+    e = gate.shape[0]
+    gate, up, down = (_dense(a, x.dtype) for a in (gate, up, down))
+    comb = _combine_weights(idx, w, e)  # [T, E]
+    chosen = jnp.any(idx[:, :, None] == jnp.arange(e), axis=1)  # [T, E]
+    h_gate = einsum("th,ehi->tei", x, gate).astype(x.dtype)
+    h_up = einsum("th,ehi->tei", x, up).astype(x.dtype)
+    act = (jax.nn.silu(h_gate) * h_up).astype(jnp.float32) * comb[:, :, None]
+    act = jnp.where(chosen[:, :, None], act, 0).astype(x.dtype)
+    return einsum("tei,eih->th", act, down).astype(x.dtype)
 
 
 def _take(a, idx, dtype):
@@ -168,7 +190,7 @@ def moe_experts_xla(x, idx, w, gate, up, down):
     if t * k <= GATHER_MAX_PAIRS_PER_EXPERT * gate.shape[0]:
         return _moe_gather(x, idx, w, gate, up, down)
     if t <= DENSE_MAX_TOKENS:
-        return moe_experts_reference(x, idx, w, gate, up, down)
+        return (_moe_dense_flat if DENSE_FLAT else moe_experts_reference)(x, idx, w, gate, up, down)
     if isinstance(gate, QuantizedArray):
         return _moe_ragged_int4(x, idx, w, gate, up, down)
     return _moe_ragged(x, idx, w, gate, up, down)
