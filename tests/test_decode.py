@@ -2,6 +2,9 @@
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ from ddtree_jax.cache import KVCache
 from ddtree_jax.config import ConfigError
 from ddtree_jax.drafters import OracleDrafter, RandomDrafter, dflash
 from ddtree_jax.generate import generate
-from tests.conftest import random_target, tiny
+from tests.conftest import default_emitters_env, random_target, tiny
 
 
 def small_tree():
@@ -380,23 +383,22 @@ def chi2_stat(samples: np.ndarray, probs: dict) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def test_ddtree_sampling_is_lossless():
-    """The first 3 sampled tokens follow the target's joint distribution, under AR and under DDTree.
+LOSSLESS_ROWS = 6000
+LOSSLESS_PROMPT = [1, 3, 0, 2]
 
-    Target with a 4-token vocabulary (64 joint outcomes), 6000 samples per method,
-    Pearson chi-square against the exact joint (computed by full forwards), cells
-    with expected count < 5 pooled. Threshold: the 0.999 quantile (z = 3.09, Wilson-
-    Hilferty), so a correct sampler fails one run in 1000 per check; keys are fixed,
-    so the outcome is deterministic. Power check: the same samples against the
-    distribution at a different temperature must be rejected.
-    """
-    cfg = tiny(vocab_size=4, num_hidden_layers=2)
-    params = random_target(cfg, seed=5, std=0.4)
-    prompt, n, temp = [1, 3, 0, 2], 6000, 1.0
-    probs = exact_joint(params, prompt, 3, temp)
-    wrong = exact_joint(params, prompt, 3, 1.6)
-    batch = np.repeat(np.asarray([prompt], np.int32), n, axis=0)
-    common = dict(max_new_tokens=3, temperature=temp, stop_token_ids=())
+
+def lossless_target():
+    return random_target(tiny(vocab_size=4, num_hidden_layers=2), seed=5, std=0.4)
+
+
+def lossless_samples(out: str) -> None:
+    """The first 3 sampled tokens of LOSSLESS_ROWS rows under AR and two DDTree drafters, and
+    each run's tau, saved to `out` (.npz). Run by `test_ddtree_sampling_is_lossless` in a
+    subprocess on XLA:CPU's default fusion emitters (conftest.LEGACY_EMITTERS makes a batch this
+    large slow)."""
+    params = lossless_target()
+    batch = np.repeat(np.asarray([LOSSLESS_PROMPT], np.int32), LOSSLESS_ROWS, axis=0)
+    common = dict(max_new_tokens=3, temperature=1.0, stop_token_ids=())
     runs = {
         "ar": generate(params, batch, key=jax.random.key(1), **common),
         "ddtree": generate(
@@ -412,13 +414,39 @@ def test_ddtree_sampling_is_lossless():
             params, RandomDrafter(block_size=3), batch, method="ddtree", tree_budget=4, key=jax.random.key(3), **common
         ),
     }
-    for name, res in runs.items():
-        samples = np.asarray(res.tokens)[:, :3]
+    arrays = {name: np.asarray(res.tokens)[:, :3] for name, res in runs.items()}
+    np.savez(out, **arrays, **{f"{name}_tau": np.float64(res.tau) for name, res in runs.items()})
+
+
+def test_ddtree_sampling_is_lossless(tmp_path):
+    """The first 3 sampled tokens follow the target's joint distribution, under AR and under DDTree.
+
+    Target with a 4-token vocabulary (64 joint outcomes), 6000 samples per method,
+    Pearson chi-square against the exact joint (computed by full forwards), cells
+    with expected count < 5 pooled. Threshold: the 0.999 quantile (z = 3.09, Wilson-
+    Hilferty), so a correct sampler fails one run in 1000 per check; keys are fixed,
+    so the outcome is deterministic. Power check: the same samples against the
+    distribution at a different temperature must be rejected.
+    """
+    out = tmp_path / "samples.npz"
+    code = f"from tests.test_decode import lossless_samples; lossless_samples({str(out)!r})"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=default_emitters_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = np.load(out)
+    params = lossless_target()
+    probs = exact_joint(params, LOSSLESS_PROMPT, 3, 1.0)
+    wrong = exact_joint(params, LOSSLESS_PROMPT, 3, 1.6)
+    for name in ("ar", "ddtree", "ddtree_random"):
+        samples = runs[name]
+        assert samples.shape == (LOSSLESS_ROWS, 3), name
         stat, df = chi2_stat(samples, probs)
         assert stat < chi2_quantile(df, 3.09), (name, stat, df)
         bad, df_bad = chi2_stat(samples, wrong)
         assert bad > chi2_quantile(df_bad, 3.09), (name, bad, df_bad)
-    assert runs["ddtree"].tau > 1.2  # the trees did accept drafts
+    assert float(runs["ddtree_tau"]) > 1.2  # the trees did accept drafts
 
 
 # ---------------------------------------------------------------------------------
