@@ -388,14 +388,15 @@ LOSSLESS_PROMPT = [1, 3, 0, 2]
 
 
 def lossless_target():
+    """A 2-layer target over a 4-token vocabulary: 64 joint outcomes of 3 tokens."""
     return random_target(tiny(vocab_size=4, num_hidden_layers=2), seed=5, std=0.4)
 
 
 def lossless_samples(out: str) -> None:
     """The first 3 sampled tokens of LOSSLESS_ROWS rows under AR and two DDTree drafters, and
     each run's tau, saved to `out` (.npz). Run by `test_ddtree_sampling_is_lossless` in a
-    subprocess on XLA:CPU's default fusion emitters (conftest.LEGACY_EMITTERS makes a batch this
-    large slow)."""
+    subprocess on XLA:CPU's default fusion emitters (`conftest.default_emitters_env`: the legacy
+    ones the suite compiles with make a batch this large slow)."""
     params = lossless_target()
     batch = np.repeat(np.asarray([LOSSLESS_PROMPT], np.int32), LOSSLESS_ROWS, axis=0)
     common = dict(max_new_tokens=3, temperature=1.0, stop_token_ids=())

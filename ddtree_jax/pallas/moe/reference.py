@@ -36,8 +36,10 @@ Both read every expert's weights once; the dense FLOPs stay below the time of th
 while T < peak FLOP/s / HBM bytes/s (~240 on an H200 for bf16 weights), and the dense
 path launches no sort, gather or scatter: a tree verify's MoE in a launch-bound round."""
 DENSE_FLAT = True
-"""The dense pass as two plain GEMMs over every expert's columns (`_moe_dense_flat`) instead
-of the reference's batched GEMMs per expert and its separate weighted combine."""
+"""The dense pass as GEMMs over every expert's columns, the expert sum inside the last one
+(`_moe_dense_flat`), instead of the reference's batched GEMMs per expert and its separate
+weighted combine. H100, shipped pair: a DDTree(32) round 2.5% cheaper, budget 12 unchanged
+(docs/benchmarks.md, forty-fourth session)."""
 INT4_EXPERT_CHUNK = 8
 """INT4 experts the grouped XLA path dequantizes at a time, in a scan over chunks..."""
 INT4_DEQUANT_ALL_BYTES = 64 * 2**20
