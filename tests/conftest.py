@@ -117,6 +117,7 @@ def pytest_unconfigure(config):
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 
 
 PROC_MAPS = "/proc/self/maps"

@@ -13,7 +13,7 @@ import pytest
 from ddtree_jax import compile_cache, model
 from ddtree_jax.generate import generate
 from ddtree_jax.pallas.moe import reference as moe_reference
-from tests.conftest import random_target, tiny
+from tests.conftest import REPO, random_target, tiny
 
 PROMPT = [[5, 17, 33, 2, 9]]
 pytestmark = pytest.mark.clears_jax_caches  # `folder`: as in a new process, nothing compiled in memory
@@ -206,10 +206,9 @@ def test_the_key_is_the_same_in_every_process(tmp_path):
     loaded what another had stored."""
     script = tmp_path / "key.py"
     script.write_text(KEY_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     keys = set()
     for seed, imports in (("1", "cache"), ("2", "generate")):
-        env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+        env = dict(os.environ, PYTHONHASHSEED=seed, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
         proc = subprocess.run([sys.executable, str(script), imports], env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         keys.add(proc.stdout.strip())

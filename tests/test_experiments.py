@@ -20,9 +20,7 @@ import pytest
 from ddtree_jax import train
 from ddtree_jax.data import Tokenizer, prompt_windows
 from ddtree_jax.drafters import dflash
-from tests.conftest import xla_flags
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import REPO, xla_flags
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from ddtree_jax.__main__ import main
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import checkpoints_dir, load_shipped
+from tests.conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_CHECKPOINT_BYTES = 48_000_000  # the shipped folder stays small enough for the repo (issue 17)
 MAX_FILE_BYTES = 16_000_000
 NEW_TOKENS = 48
