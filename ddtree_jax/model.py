@@ -52,6 +52,7 @@ from ddtree_jax.pallas.moe.api import moe_pairs
 from ddtree_jax.pallas.moe.api import resolve as resolve_moe
 from ddtree_jax.pallas.moe.reference import moe_experts_reference, weighted_sum
 from ddtree_jax.quant import Int4, QuantizedArray
+from ddtree_jax.topk import rank_top_k
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
@@ -487,6 +488,20 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
 # Layers
 
 
+ROUTER_RANK_MAX_EXPERTS = 0
+"""`route` picks among at most this many experts (or groups) with `topk.rank_top_k` instead of
+`lax.top_k` (0: always top_k). The same indices either way; on the GPU top_k is a sort kernel per
+MoE layer (about 1.8 us each, seven in an AR step and seven in a verify of the shipped pair),
+where the ranks could fuse with the router's other elementwise work. Off until that is timed."""
+
+
+def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
+    """`lax.top_k(x, k)`'s indices [T, k] of x [T, E]."""
+    if x.shape[-1] <= ROUTER_RANK_MAX_EXPERTS:
+        return rank_top_k(x, k)[1]
+    return jax.lax.top_k(x, k)[1]
+
+
 def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """noaux_tc sigmoid routing. x [T, H] -> (idx [T, K] int32, weights [T, K] float32).
 
@@ -501,11 +516,11 @@ def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -
     if cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(t, cfg.n_group, e // cfg.n_group)
         group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
-        _, group_idx = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_idx = _top_k_indices(group_scores, cfg.topk_group)
         keep = jnp.any(jax.nn.one_hot(group_idx, cfg.n_group, dtype=jnp.bool_), axis=1)  # [T, G]
         keep = jnp.repeat(keep, e // cfg.n_group, axis=1)
         choice = jnp.where(keep, choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    idx = _top_k_indices(choice, cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=1)
     # The sigmoid saturates and top_k ranks NaN: a non-finite router logit or bias would
     # still pick experts with finite weights. Such a token's weights are made NaN, so it shows.

@@ -37,10 +37,17 @@ import numpy as np
 from flax import struct
 
 from ddtree_jax.sampling import check_float32_positive, scaled_logits
+from ddtree_jax.topk import rank_top_k
 
 MAX_BUDGET = 1024
 TOP_K_CHUNK = 256
 """`top_k` over more than 2 x this many entries runs in two stages (0: one `lax.top_k`)."""
+RANK_TOP_K_MAX = 0
+"""`top_k` ranks rows of at most this many entries by comparing every pair
+(`topk.rank_top_k`, the same result) instead of sorting them (0: always sort). On the GPU each
+sort is a kernel of its own, three a DDTree(12) round at 5.6-5.8 us each on an H100 (session
+43), and rows of up to 1024 might rank for less; off until that is timed. On the CPU the O(n^2)
+comparisons cost more than the sort."""
 # Enumerate eligible rank paths up to this many (a [P, D] int32 constant in the program).
 MAX_ENUMERATED_PATHS = 1 << 15
 
@@ -303,6 +310,11 @@ def _build_beam(top_lp, top_tok, roots, budget) -> DraftTree:
     )
 
 
+def _row_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """One `lax.top_k` over the last axis, by ranks where the row is short enough."""
+    return rank_top_k(x, k) if x.shape[-1] <= RANK_TOP_K_MAX else jax.lax.top_k(x, k)
+
+
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k` over the last axis, the same values and indices, in two stages.
 
@@ -311,17 +323,18 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     entries keeps its top k, then one top k picks among those. Ties keep the lower
     index first, as `lax.top_k` does: within a chunk by its stable order, across chunks
     because the survivors are laid out chunk by chunk. Padding (-inf, past the end)
-    comes after every real entry and is never picked while k <= n.
+    comes after every real entry and is never picked while k <= n. Each stage over at most
+    `RANK_TOP_K_MAX` entries ranks them instead of sorting.
     """
     n, c = x.shape[-1], TOP_K_CHUNK
     if not 0 < k <= c or n <= 2 * c:
-        return jax.lax.top_k(x, k)
+        return _row_top_k(x, k)
     m = -(-n // c)
     lead = x.shape[:-1]
     padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, m * c - n)], constant_values=-jnp.inf)
-    part, local = jax.lax.top_k(padded.reshape(*lead, m, c), k)  # [..., m, k]
+    part, local = _row_top_k(padded.reshape(*lead, m, c), k)  # [..., m, k]
     index = (local + c * jnp.arange(m, dtype=local.dtype)[:, None]).reshape(*lead, m * k)
-    values, pick = jax.lax.top_k(part.reshape(*lead, m * k), k)
+    values, pick = _row_top_k(part.reshape(*lead, m * k), k)
     return values, jnp.take_along_axis(index, pick, axis=-1)
 
 

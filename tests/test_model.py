@@ -1,5 +1,7 @@
 """Cache consistency: prefill + extend == one forward; tree extend == causal paths."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,3 +229,22 @@ def test_bf16_forward_runs_and_is_close_to_f32():
     assert got.dtype == jnp.float32
     rel = np.linalg.norm(np.asarray(got) - np.asarray(want)) / np.linalg.norm(np.asarray(want))
     assert rel < 5e-2
+
+
+def test_route_without_the_sort_equals_route_with_it(monkeypatch):
+    """`route` with the rank top-k gives the same experts and weights as with lax.top_k, grouped
+    (noaux_tc groups) and plain."""
+    rng = np.random.default_rng(1)
+    for n_group, topk_group in ((1, 1), (4, 2)):
+        cfg = dataclasses.replace(
+            tiny(), n_routed_experts=32, num_experts_per_tok=4, n_group=n_group, topk_group=topk_group
+        )
+        x = jnp.asarray(rng.normal(size=(40, cfg.hidden_size)), jnp.float32)
+        router = jnp.asarray(rng.normal(size=(cfg.hidden_size, 32)) * 0.1, jnp.float32)
+        bias = jnp.asarray(np.round(rng.normal(size=32), 1), jnp.float32)
+        monkeypatch.setattr(model, "ROUTER_RANK_MAX_EXPERTS", 0)
+        want = model.route(cfg, x, router, bias)
+        monkeypatch.setattr(model, "ROUTER_RANK_MAX_EXPERTS", 64)
+        got = model.route(cfg, x, router, bias)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
