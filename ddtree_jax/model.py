@@ -492,7 +492,9 @@ ROUTER_RANK_MAX_EXPERTS = 0
 """`route` picks among at most this many experts (or groups) with `topk.rank_top_k` instead of
 `lax.top_k` (0: always top_k). The same indices either way; on the GPU top_k is a sort kernel per
 MoE layer (about 1.8 us each, seven in an AR step and seven in a verify of the shipped pair),
-where the ranks could fuse with the router's other elementwise work. Off until that is timed."""
+where the ranks could fuse with the router's other elementwise work. Off: on an H100 (session
+45) a profile_round run with this and `tree.RANK_TOP_K_MAX` on did not finish in the time the
+run without them took plus 7%, so it is not known to be faster."""
 
 
 def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
