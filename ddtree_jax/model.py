@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ddtree_jax import sharding, weights
+from ddtree_jax import sharding, topk, weights
 from ddtree_jax.cache import KVCache, LatentKV
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.layers import (
@@ -52,7 +52,6 @@ from ddtree_jax.pallas.moe.api import moe_pairs
 from ddtree_jax.pallas.moe.api import resolve as resolve_moe
 from ddtree_jax.pallas.moe.reference import moe_experts_reference, weighted_sum
 from ddtree_jax.quant import Int4, QuantizedArray
-from ddtree_jax.topk import rank_top_k
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
@@ -497,13 +496,6 @@ where the ranks could fuse with the router's other elementwise work. Off: on an 
 run without them took plus 7%, so it is not known to be faster."""
 
 
-def _top_k_indices(x: jax.Array, k: int) -> jax.Array:
-    """`lax.top_k(x, k)`'s indices [T, k] of x [T, E]."""
-    if x.shape[-1] <= ROUTER_RANK_MAX_EXPERTS:
-        return rank_top_k(x, k)[1]
-    return jax.lax.top_k(x, k)[1]
-
-
 def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """noaux_tc sigmoid routing. x [T, H] -> (idx [T, K] int32, weights [T, K] float32).
 
@@ -518,11 +510,11 @@ def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -
     if cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(t, cfg.n_group, e // cfg.n_group)
         group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
-        group_idx = _top_k_indices(group_scores, cfg.topk_group)
+        group_idx = topk.top_k(group_scores, cfg.topk_group, ROUTER_RANK_MAX_EXPERTS)[1]
         keep = jnp.any(jax.nn.one_hot(group_idx, cfg.n_group, dtype=jnp.bool_), axis=1)  # [T, G]
         keep = jnp.repeat(keep, e // cfg.n_group, axis=1)
         choice = jnp.where(keep, choice, -jnp.inf)
-    idx = _top_k_indices(choice, cfg.num_experts_per_tok)
+    idx = topk.top_k(choice, cfg.num_experts_per_tok, ROUTER_RANK_MAX_EXPERTS)[1]
     w = jnp.take_along_axis(scores, idx, axis=1)
     # The sigmoid saturates and top_k ranks NaN: a non-finite router logit or bias would
     # still pick experts with finite weights. Such a token's weights are made NaN, so it shows.

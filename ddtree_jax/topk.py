@@ -2,10 +2,11 @@
 
 On the GPU XLA lowers `lax.top_k` to a sort kernel (a few microseconds each even for a few
 hundred entries), one launch that nothing fuses with. Ranking by comparing every pair of a row,
-[..., n, n], is one reduction that fuses with the row's producer, and for rows of up to about a
-thousand entries costs less than the sort. Same values, same indices, same order as
-`lax.top_k`: largest first under the IEEE total order (NaN above +inf, -NaN below -inf, 0.0
-above -0.0), ties to the lower index.
+[..., n, n], is a reduction that XLA may fuse with the row's producer; whether it costs less
+than the sort is not yet measured (the one GPU run with it on, session 45, did not finish), so
+its callers keep it off by default. Same values, same indices, same order as `lax.top_k`:
+largest first under the IEEE total order (NaN above +inf, -NaN below -inf, 0.0 above -0.0),
+ties to the lower index.
 """
 
 from __future__ import annotations
@@ -36,3 +37,9 @@ def rank_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     hit = rank[..., :, None] == jnp.arange(k, dtype=jnp.int32)  # [..., n, k]
     idx = jnp.sum(jnp.where(hit, pos[:, None], 0), axis=-2, dtype=jnp.int32)  # [..., k]
     return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
+def top_k(x: jax.Array, k: int, rank_max: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` over the last axis: by `rank_top_k` where rows have at most
+    `rank_max` entries (0: never), else by the sort."""
+    return rank_top_k(x, k) if x.shape[-1] <= rank_max else jax.lax.top_k(x, k)

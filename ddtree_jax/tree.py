@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ddtree_jax import topk
 from ddtree_jax.sampling import check_float32_positive, scaled_logits
-from ddtree_jax.topk import rank_top_k
 
 MAX_BUDGET = 1024
 TOP_K_CHUNK = 256
@@ -311,11 +311,6 @@ def _build_beam(top_lp, top_tok, roots, budget) -> DraftTree:
     )
 
 
-def _row_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """One `lax.top_k` over the last axis, by ranks where the row is short enough."""
-    return rank_top_k(x, k) if x.shape[-1] <= RANK_TOP_K_MAX else jax.lax.top_k(x, k)
-
-
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k` over the last axis, the same values and indices, in two stages.
 
@@ -329,13 +324,13 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """
     n, c = x.shape[-1], TOP_K_CHUNK
     if not 0 < k <= c or n <= 2 * c:
-        return _row_top_k(x, k)
+        return topk.top_k(x, k, RANK_TOP_K_MAX)
     m = -(-n // c)
     lead = x.shape[:-1]
     padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, m * c - n)], constant_values=-jnp.inf)
-    part, local = _row_top_k(padded.reshape(*lead, m, c), k)  # [..., m, k]
+    part, local = topk.top_k(padded.reshape(*lead, m, c), k, RANK_TOP_K_MAX)  # [..., m, k]
     index = (local + c * jnp.arange(m, dtype=local.dtype)[:, None]).reshape(*lead, m * k)
-    values, pick = _row_top_k(part.reshape(*lead, m * k), k)
+    values, pick = topk.top_k(part.reshape(*lead, m * k), k, RANK_TOP_K_MAX)
     return values, jnp.take_along_axis(index, pick, axis=-1)
 
 
