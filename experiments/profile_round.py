@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 
 import _settings
 import jax
@@ -228,12 +230,19 @@ def main():
     # The stages as the loop runs them (generate passes its resolved numerics and implementation).
     target, d = for_loop(target, d, resolve_numerics(None, target.dtype, "auto"), "auto")
     rows, stage_tables = [], {}
+    start = time.monotonic()
+
+    def progress(what):
+        """One line on stderr as each measurement ends: a run cut short by a timeout still says how
+        far it got and how long each part took."""
+        print(f"[{time.monotonic() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
 
     def stage(b, name, fn, stage_args):
         """per_call with this run's stage options; keeps the stage's kernel table."""
         hlo = os.path.join(args.stage_hlo, f"b{b}_{name}.hlo.txt") if args.stage_hlo else None
         seconds, table = per_call(fn, stage_args, args.reps, kernels=args.stage_kernels, hlo=hlo)
         stage_tables[b, name] = table
+        progress(f"batch {b} {name}: {seconds * 1e3:.3f} ms a call")
         return seconds
 
     for b in args.batch_sizes:
@@ -257,6 +266,7 @@ def main():
         t_ar_loop, ar_kernels, t_ar_one = in_loop(
             target, dparams, loop_prompts, "ar", None, args.loop_tokens, kernels=args.kernels, **sampled
         )
+        progress(f"batch {b} AR in the loop: {t_ar_loop * 1e3:.3f} ms a step")
         draft_fn = lambda st, cache, roots: d.propose(st, target, cache, roots, key)  # noqa: E731
         t_draft = stage(b, "draft", draft_fn, (dstate, cache, roots))
         logits = jax.jit(draft_fn)(dstate, cache, roots)
@@ -289,6 +299,7 @@ def main():
             t_round_loop, round_kernels, t_round_one = in_loop(
                 target, dparams, loop_prompts, "ddtree", budget, args.loop_tokens, kernels=args.kernels, **sampled
             )
+            progress(f"batch {b} DDTree({budget}) in the loop: {t_round_loop * 1e3:.3f} ms a round")
             row = {
                 "batch": b,
                 "budget": budget,
@@ -310,6 +321,7 @@ def main():
                 row.update(
                     paired_in_loop(target, dparams, loop_prompts, budget, args.loop_tokens, args.pairs, **sampled)
                 )
+                progress(f"batch {b} DDTree({budget}) pairs: round / AR {row['paired_round_over_ar']:.3f}")
             if args.kernels:
                 row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels
             if args.stage_kernels:
