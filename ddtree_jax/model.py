@@ -440,14 +440,16 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
     """The target as a decode loop should hold it: the loop-invariant work on its weights
     done once, before the loop, instead of in every round.
 
-    Each layer stack that `forward` unrolls ("fast" numerics, at most `UNROLL_MAX_LAYERS`
-    layers, routed experts not on the Mosaic kernels, which index the stack in place) and
-    that takes at most `HOIST_MAX_BYTES` once prepared is split into per-layer weights
-    (`layers.Unstacked`), its INT4 routed experts dequantized to the model's dtype. Inside
-    the loop, XLA copied each layer's slice of every stacked weight a GEMM reads, and
-    dequantized the experts, every round. Same values: dequantization is exact
-    and deterministic, and slicing moves bytes unchanged. With `HOIST_SHARED_OUT_MAJOR` the
-    shared experts' gate and up are also held transposed (`layers.OutMajor`).
+    Each layer stack that takes at most `HOIST_MAX_BYTES` once prepared has its INT4 routed
+    experts dequantized to the model's dtype where the XLA path runs them (the kernels take
+    INT4 as it is), and a stack that `forward` unrolls ("fast" numerics, at most
+    `UNROLL_MAX_LAYERS` layers, routed experts not on the Mosaic kernels, which index the
+    stack in place) is split into per-layer weights (`layers.Unstacked`). Inside the loop,
+    XLA copied each layer's slice of every stacked weight a GEMM reads, and dequantized the
+    experts every round ("exact" numerics: once per tile of (token, expert) pairs). Same
+    values: dequantization is exact and deterministic, and slicing moves bytes unchanged.
+    With `HOIST_SHARED_OUT_MAJOR` the shared experts' gate and up of an unrolled stack are
+    also held transposed (`layers.OutMajor`).
 
     Args:
       params: the target (stacked layers, as loaded).
@@ -455,24 +457,23 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
       implementation: the kernels' `implementation` (as in `forward`).
 
     Returns:
-      params, with the stacks that qualify as `Unstacked` (the others unchanged).
+      params, its stacks prepared as above (`Unstacked` where unrolled; the others unchanged).
     """
-    if numerics != "fast":  # no stack is unrolled
-        return params
 
     def prepare(stack):
         if stack is None or isinstance(stack, Unstacked):
             return stack
         path = _routed_path(stack, implementation, params.dtype)
-        if not _unrolled(numerics, layer_count(stack), path):
-            return stack
         # Only the XLA path dequantizes INT4 experts itself (the others take them or refuse them).
         int4 = lambda a: path == "xla" and isinstance(a, QuantizedArray)  # noqa: E731
         leaves = jax.tree.leaves(stack, is_leaf=int4)
         size = sum(np.prod(a.shape) * (params.dtype.itemsize if int4(a) else a.dtype.itemsize) for a in leaves)
         if size > HOIST_MAX_BYTES:
             return stack
-        layers = unstack(jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4))
+        dense = jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4)
+        if not _unrolled(numerics, layer_count(stack), path):
+            return dense
+        layers = unstack(dense)
         out_major = jax.default_backend() == "gpu" if HOIST_SHARED_OUT_MAJOR is None else HOIST_SHARED_OUT_MAJOR
         if not out_major or getattr(layers.layers[0].mlp, "shared", None) is None:
             return layers
@@ -611,6 +612,13 @@ def mla(
     return _attn_output(p, o_lat, x.dtype), c_kv, k_pe
 
 
+def _in_pair_tiles(cfg: TargetConfig) -> bool:
+    """Whether "exact" numerics run the routed experts as (token, expert) pair tiles."""
+    return routed_in_pair_tiles(
+        cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    )
+
+
 def _exact_layer(
     cfg: TargetConfig,
     lp: LayerParams,
@@ -621,9 +629,12 @@ def _exact_layer(
     cache_len: jax.Array,  # [B]
     new_mask: jax.Array,  # [B, T, T]
     span: int,
+    routed: tuple | None = None,
+    layer: jax.Array | None = None,
 ):
     """One decoder layer in "exact" numerics (numerics.py): the per-token work in row
-    tiles, attention in position-aligned key blocks.
+    tiles, attention in position-aligned key blocks. `routed`: every layer's routed-expert
+    stacks (gate, up, down), `layer` this one's index in them (lp's are then None).
 
     Returns (x, c_kv [B, T, R], k_pe [B, T, P], expert ids [B * T, K] | None).
     """
@@ -654,9 +665,7 @@ def _exact_layer(
     mlp = lp.mlp
     is_moe = isinstance(mlp, MoEParams)
     # Many, large experts: the routed pairs in tiles of one expert, after the row tiles.
-    pair_tiles = is_moe and routed_in_pair_tiles(
-        cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
-    )
+    pair_tiles = is_moe and _in_pair_tiles(cfg)
 
     def post(xt, ot):  # [TM, H], [TM, N, R]
         xt = xt + _attn_output(lp.attn, ot[None], xt.dtype)[0]
@@ -673,7 +682,8 @@ def _exact_layer(
         x, idx = out
         return x.reshape(b, t, h), c_kv, k_pe, idx
     x, hx, idx, w = out
-    ys = moe_pairs(hx, idx, mlp.gate, mlp.up, mlp.down, ROW_TILE)  # [M, K, H], expert-parallel on a mesh
+    experts, at = ((mlp.gate, mlp.up, mlp.down), None) if routed is None else (routed, layer)
+    ys = moe_pairs(hx, idx, *experts, ROW_TILE, at)  # [M, K, H], expert-parallel on a mesh
 
     def finish(xt, hxt, wt, yt):  # per token: the weighted sum, the shared experts, the residual
         y = weighted_sum(wt, yt)
@@ -709,12 +719,13 @@ def _run_layers(
     is_moe = isinstance(layer_structure(layers).mlp, MoEParams)
     cos, sin = rope_tables(cfg, positions) if numerics == "fast" else (None, None)
     n_layers = layer_count(layers)
-    stacked = numerics == "fast" and not isinstance(layers, Unstacked)
-    path = _routed_path(layers, implementation, x.dtype) if stacked else None
-    routed = None  # routed-expert stacks the Mosaic kernels index in place
-    if path == "mosaic":
-        # Scanned, each layer's slice of the stacks would reach the kernel as a copy XLA
-        # makes first (experiments/moe_layer_stack.py); the kernel takes the layer index.
+    stacked = not isinstance(layers, Unstacked)
+    path = _routed_path(layers, implementation, x.dtype) if stacked and numerics == "fast" else None
+    routed = None  # routed-expert stacks indexed in place
+    if path == "mosaic" or (numerics == "exact" and stacked and is_moe and _in_pair_tiles(cfg)):
+        # Scanned, each layer's slice of the stacks reaches the kernel (or the "exact" pair
+        # tiles) as a copy XLA makes first (experiments/moe_layer_stack.py); they take the
+        # layer index instead. "Exact" on a 2-core CPU: docs/benchmarks.md (session 47).
         routed = (layers.mlp.gate, layers.mlp.up, layers.mlp.down)
         layers = layers.replace(mlp=layers.mlp.replace(gate=None, up=None, down=None))
 
@@ -725,7 +736,9 @@ def _run_layers(
         at = first + li
         if numerics == "exact":
             ckv, kpe = cache_ckv[at], cache_kpe[at]
-            x, c_new, k_new, idx = _exact_layer(cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span)
+            x, c_new, k_new, idx = _exact_layer(
+                cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span, routed, None if routed is None else li
+            )
             counts = _expert_counts(cfg, idx) if is_moe else None
             return x, (c_new, k_new, x if keep_hidden else None, counts)
         attn_out, c_new, k_new = mla(

@@ -133,28 +133,33 @@ def _check_xla_paths(quantized):
 
 def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     """`hoist_layers` (per-layer weights, INT4 experts dequantized, before a decode loop)
-    changes no bit of a "fast" forward; it leaves "exact" numerics, long stacks and stacks
-    over HOIST_MAX_BYTES alone."""
+    changes no bit of a forward. Under "exact" numerics and past UNROLL_MAX_LAYERS the stacks
+    stay stacked, their experts dequantized; stacks over HOIST_MAX_BYTES are left alone."""
     from ddtree_jax.layers import OutMajor, Unstacked
+
+    def int4(stack):
+        is_q = lambda a: isinstance(a, quant.QuantizedArray)  # noqa: E731
+        return any(is_q(a) for a in jax.tree.leaves(stack, is_leaf=is_q))
 
     cfg = quantized.config
     hoisted = model.hoist_layers(quantized, "fast")
     for stack in (hoisted.dense_layers, hoisted.moe_layers):
-        assert isinstance(stack, Unstacked)
-        assert not any(
-            isinstance(a, quant.QuantizedArray)
-            for a in jax.tree.leaves(stack, is_leaf=lambda a: isinstance(a, quant.QuantizedArray))
-        )
+        assert isinstance(stack, Unstacked) and not int4(stack)
     assert len(hoisted.moe_layers) == cfg.num_hidden_layers - cfg.first_k_dense_replace
     tokens = jnp.asarray([[5, 17, 33, 2, 9, 250, 1, 7, 7]], jnp.int32)
     positions = jnp.arange(9, dtype=jnp.int32)[None]
     cache = model.KVCache.init(cfg, 1, 16)
     mask = jnp.tril(jnp.ones((1, 9, 9), bool))
-    run = jax.jit(lambda p: model.forward(p, tokens, positions, cache, mask, tap_layers=(0, 1), numerics="fast"))
-    want, got = run(quantized), run(hoisted)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert model.hoist_layers(quantized, "exact") is quantized
+
+    def forward(numerics):
+        return jax.jit(lambda p: model.forward(p, tokens, positions, cache, mask, tap_layers=(0, 1), numerics=numerics))
+
+    exact = model.hoist_layers(quantized, "exact")
+    assert not isinstance(exact.moe_layers, Unstacked) and not int4(exact.moe_layers)
+    for run, prepared in ((forward("exact"), exact), (forward("fast"), hoisted)):
+        want = run(quantized)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(run(prepared)), strict=True):
+            np.testing.assert_array_equal(a, b)
     # The shared experts' gate and up held [I, H]: the same forward up to float32 rounding.
     monkeypatch.setattr(model, "HOIST_SHARED_OUT_MAJOR", True)
     out_major = model.hoist_layers(quantized, "fast")
@@ -171,10 +176,11 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
         assert isinstance(model.hoist_layers(quantized, "fast").moe_layers.layers[0].mlp.shared.gate, OutMajor)
     monkeypatch.setattr(model, "HOIST_SHARED_OUT_MAJOR", False)
     monkeypatch.setattr(model, "HOIST_MAX_BYTES", 0)
-    assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
+    assert model.hoist_layers(quantized, "fast").moe_layers is quantized.moe_layers
     monkeypatch.setattr(model, "HOIST_MAX_BYTES", 1 << 30)
     monkeypatch.setattr(model, "UNROLL_MAX_LAYERS", 0)
-    assert not isinstance(model.hoist_layers(quantized, "fast").moe_layers, Unstacked)
+    scanned = model.hoist_layers(quantized, "fast").moe_layers
+    assert not isinstance(scanned, Unstacked) and not int4(scanned)
 
 
 def test_forward_looped_over_layers_equals_unrolled(quantized):

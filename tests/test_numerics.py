@@ -117,6 +117,12 @@ def test_moe_pairs_in_tiles_match_the_reference_and_not_the_other_pairs(int4):
     got = np.asarray(pairs(x, dropped, gate, up, down))
     assert not got[0, 1].any() and not got[1, 0].any()
     np.testing.assert_array_equal(got[2:], np.asarray(ys)[2:])
+    # Every layer's stacks and a layer index (the scanned layers read them in place): the same bits.
+    stack = lambda a: jax.tree.map(lambda v: jnp.stack([v[::-1], v]), a)  # noqa: E731  layer 1 is `a`
+    on_stack = jax.jit(functools.partial(moe_pairs_in_tiles, tile=4))(
+        x, idx, stack(gate), stack(up), stack(down), layer=jnp.int32(1)
+    )
+    np.testing.assert_array_equal(np.asarray(on_stack), np.asarray(ys))
 
 
 def test_exact_attention_matches_the_reference_and_not_the_capacity():

@@ -166,7 +166,9 @@ def _expert_parallel(kernel, axis: str, dropped: int | None, stacked: bool):
     return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)
 
 
-def moe_pairs(x: jax.Array, idx: jax.Array, gate, up, down, tile: int) -> jax.Array:  # [T, K, H]
+def moe_pairs(
+    x: jax.Array, idx: jax.Array, gate, up, down, tile: int, layer: jax.Array | None = None
+) -> jax.Array:  # [T, K, H]
     """`moe_pairs_in_tiles` (the "exact" numerics' routed experts), expert-parallel under a
     mesh context whose rules split the "experts" axis.
 
@@ -175,21 +177,23 @@ def moe_pairs(x: jax.Array, idx: jax.Array, gate, up, down, tile: int) -> jax.Ar
     is one device's exactly (a -0.0 output comes back 0.0) (left to GSPMD, every device gathered every expert's
     weights at every layer: 6.6 GB a round on a 2-GPU Kimi-K2 slice, docs/scaling.md).
 
-    x [T, H], idx [T, K] int32, gate / up [E, H, I], down [E, I, H] (dense or INT4).
+    x [T, H], idx [T, K] int32, gate / up [E, H, I], down [E, I, H] (dense or INT4); with
+    `layer`, every layer's stacks [L, E, ...] and the layer to run.
     """
-    spec = sharding.kernel_spec(("experts", None, None), gate.shape)
+    layers = () if layer is None else (layer,)
+    spec = sharding.kernel_spec(("experts", None, None), gate.shape[-3:])
     axis = None if spec is None else spec[0]
     if axis is None:
-        return moe_pairs_in_tiles(x, idx, gate, up, down, tile)
+        return moe_pairs_in_tiles(x, idx, gate, up, down, tile, *layers)
 
-    def local(x, idx, gate, up, down):
-        e = gate.shape[0]
+    def local(x, idx, gate, up, down, *layer):
+        e = gate.shape[-3]
         first = jax.lax.axis_index(axis) * e
         mine = (idx >= first) & (idx < first + e)
-        ys = moe_pairs_in_tiles(x, jnp.where(mine, idx - first, e), gate, up, down, tile)
+        ys = moe_pairs_in_tiles(x, jnp.where(mine, idx - first, e), gate, up, down, tile, *layer)
         return jax.lax.psum(ys, axis)  # the others' pairs are zeros here (ids past the experts)
 
-    rep, experts = PartitionSpec(), PartitionSpec(axis)
-    return jax.shard_map(local, in_specs=(rep, rep, experts, experts, experts), out_specs=rep, check_vma=False)(
-        x, idx, gate, up, down
-    )
+    rep = PartitionSpec()
+    experts = PartitionSpec(axis) if layer is None else PartitionSpec(None, axis)
+    specs = (rep, rep, experts, experts, experts) + ((rep,) if layers else ())
+    return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)(x, idx, gate, up, down, *layers)

@@ -199,20 +199,23 @@ def moe_experts_xla(x, idx, w, gate, up, down):
     return _moe_ragged(x, idx, w, gate, up, down)
 
 
-def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
+def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int, layer: jax.Array | None = None):
     """Each (token, expert) pair's expert output, computed in tiles of `tile` pairs of one expert.
 
     The "exact" numerics' routed experts (numerics.py): the pairs are sorted by expert, each
-    expert's run padded to whole tiles, and a loop over the tiles in use runs one expert's
-    SwiGLU on a [tile, H] block, so every pair's output comes from ops of one shape whatever
-    T and the routing are, and only the routed work is done (the reference's dense pass runs
-    E / K times that).
+    expert's run padded to whole tiles, and a loop over the experts in use, within it a loop
+    over their tiles, runs one expert's SwiGLU on a [tile, H] block, so every pair's output
+    comes from ops of one shape whatever T and the routing are, and only the routed work is
+    done (the reference's dense pass runs E / K times that). Each expert's weights are taken
+    once for all its tiles: XLA:CPU copies a weight a dot reads out of a stack.
 
     x [T, H], idx [T, K] int (ids outside [0, E) give zeros), gate / up [E, H, I], down
-    [E, I, H] (dense or INT4) -> [T, K, H] in x's dtype.
+    [E, I, H] (dense or INT4) -> [T, K, H] in x's dtype. With `layer`, the weights are every
+    layer's stacks ([L, E, ...]) and `layer` picks one: each expert is read from the stack in
+    place, not from a copy of the whole layer's slice.
     """
     t, k = idx.shape
-    e, h = gate.shape[0], x.shape[1]
+    e, h = gate.shape[-3], x.shape[1]
     pairs = t * k
     n_tiles = -(-pairs // tile) + e  # each expert's run rounds up by less than a tile
     flat = idx.reshape(-1)
@@ -228,18 +231,20 @@ def moe_pairs_in_tiles(x, idx, gate, up, down, tile: int):
     rank = jnp.arange(pairs) - first_pair[e_c]
     row = jnp.where(sorted_expert < e, first_tile[e_c] * tile + rank, n_tiles * tile)  # past the end: dropped
     xs = jnp.zeros((n_tiles * tile, h), x.dtype).at[row].set(x_sorted, mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(tiles), jnp.arange(n_tiles), side="right"), e - 1)
+    in_use = jnp.nonzero(sizes > 0, size=e, fill_value=0)[0]  # [E] the experts with pairs first
 
-    def one_tile(i, ys):
-        def pick(a):  # expert tile_expert[i]'s weights; INT4 dequantized here
-            return _take(a, tile_expert[i], x.dtype)
+    def one_expert(j, ys):
+        ex = in_use[j]
+        at = ex if layer is None else (layer, ex)
+        g, u, d = (_take(a, at, x.dtype) for a in (gate, up, down))  # INT4 dequantized here
 
-        xt = jax.lax.dynamic_slice_in_dim(xs, i * tile, tile)
-        act = (jax.nn.silu(einsum("th,hi->ti", xt, pick(gate))) * einsum("th,hi->ti", xt, pick(up))).astype(x.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(
-            ys, einsum("ti,ih->th", act, pick(down)).astype(x.dtype), i * tile, 0
-        )
+        def one_tile(i, ys):
+            xt = jax.lax.dynamic_slice_in_dim(xs, i * tile, tile)
+            act = (jax.nn.silu(einsum("th,hi->ti", xt, g)) * einsum("th,hi->ti", xt, u)).astype(x.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(ys, einsum("ti,ih->th", act, d).astype(x.dtype), i * tile, 0)
 
-    ys = jax.lax.fori_loop(0, jnp.sum(tiles), one_tile, jnp.zeros_like(xs))
+        return jax.lax.fori_loop(first_tile[ex], first_tile[ex] + tiles[ex], one_tile, ys)
+
+    ys = jax.lax.fori_loop(0, jnp.sum(sizes > 0), one_expert, jnp.zeros_like(xs))
     out = ys.at[row].get(mode="fill", fill_value=0)  # invalid pairs' row is past the end: zeros
     return _unsort(out, order, t, k)
