@@ -493,8 +493,8 @@ ROUTER_RANK_MAX_EXPERTS = 0
 `lax.top_k` (0: always top_k). The same indices either way; on the GPU top_k is a sort kernel per
 MoE layer (about 1.8 us each, seven in an AR step and seven in a verify of the shipped pair),
 where the ranks could fuse with the router's other elementwise work. Off: on an H100 (session
-45) a profile_round run with this and `tree.RANK_TOP_K_MAX` on did not finish in the time the
-run without them took plus 7%, so it is not known to be faster."""
+47, docs/benchmarks.md) at 64 it took 2% off a DDTree(32) round in interleaved pairs, but the
+HumanEval run, one process each way, showed no gain (AR +1.7%, DDTree(32) -1.3% tokens/s)."""
 
 
 def route(cfg: TargetConfig, x: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:

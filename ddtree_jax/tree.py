@@ -46,9 +46,9 @@ RANK_TOP_K_MAX = 0
 """`top_k` ranks rows of at most this many entries by comparing every pair
 (`topk.rank_top_k`, the same result) instead of sorting them (0: always sort). On the GPU each
 sort is a kernel of its own, three a DDTree(12) round at 5.6-5.8 us each on an H100 (session
-43), and rows of up to 1024 might rank for less; off: the one GPU run with it on (and
-`model.ROUTER_RANK_MAX_EXPERTS`, session 45) did not finish where the run without it did. On
-the CPU the O(n^2) comparisons cost more than the sort."""
+43). Off: on an H100 (session 47, docs/benchmarks.md) ranking at 1024 made DDTree(32)'s tree
+0.62 ms a call against 0.05 ms sorted, and each program 50 s to compile. On the CPU too the
+O(n^2) comparisons cost more than the sort."""
 # Enumerate eligible rank paths up to this many (a [P, D] int32 constant in the program).
 MAX_ENUMERATED_PATHS = 1 << 15
 
