@@ -156,7 +156,7 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
 
     exact = model.hoist_layers(quantized, "exact")
     assert not isinstance(exact.moe_layers, Unstacked) and not int4(exact.moe_layers)
-    for run, prepared in ((forward("exact"), exact), (forward("fast"), hoisted)):
+    for run, prepared in ((forward("exact"), exact), (forward("fast"), hoisted)):  # fast last: used below
         want = run(quantized)
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(run(prepared)), strict=True):
             np.testing.assert_array_equal(a, b)
