@@ -634,7 +634,8 @@ def _exact_layer(
 ):
     """One decoder layer in "exact" numerics (numerics.py): the per-token work in row
     tiles, attention in position-aligned key blocks. `routed`: every layer's routed-expert
-    stacks (gate, up, down), `layer` this one's index in them (lp's are then None).
+    stacks (gate, up, down), `layer` this one's index in them (lp's are then None); `layer`
+    is unused without `routed`.
 
     Returns (x, c_kv [B, T, R], k_pe [B, T, P], expert ids [B * T, K] | None).
     """
@@ -736,9 +737,7 @@ def _run_layers(
         at = first + li
         if numerics == "exact":
             ckv, kpe = cache_ckv[at], cache_kpe[at]
-            x, c_new, k_new, idx = _exact_layer(
-                cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span, routed, None if routed is None else li
-            )
+            x, c_new, k_new, idx = _exact_layer(cfg, lp, x, positions, ckv, kpe, cache_len, new_mask, span, routed, li)
             counts = _expert_counts(cfg, idx) if is_moe else None
             return x, (c_new, k_new, x if keep_hidden else None, counts)
         attn_out, c_new, k_new = mla(
