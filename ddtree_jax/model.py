@@ -463,7 +463,8 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
     def prepare(stack):
         if stack is None or isinstance(stack, Unstacked):
             return stack
-        path = _routed_path(stack, implementation, params.dtype)
+        # "Exact" numerics run the routed experts on XLA whatever the kernels would take.
+        path = "xla" if numerics == "exact" else _routed_path(stack, implementation, params.dtype)
         # Only the XLA path dequantizes INT4 experts itself (the others take them or refuse them).
         int4 = lambda a: path == "xla" and isinstance(a, QuantizedArray)  # noqa: E731
         leaves = jax.tree.leaves(stack, is_leaf=int4)

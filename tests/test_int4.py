@@ -181,6 +181,11 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     monkeypatch.setattr(model, "UNROLL_MAX_LAYERS", 0)
     scanned = model.hoist_layers(quantized, "fast").moe_layers
     assert not isinstance(scanned, Unstacked) and not int4(scanned)
+    # Where the Mosaic kernels would take the INT4 experts (a GPU's shapes), "fast" keeps them
+    # INT4 for the kernels; "exact" runs them on XLA, so dequantizes them once all the same.
+    monkeypatch.setattr(model, "resolve_moe", lambda *a, **k: "mosaic")
+    assert int4(model.hoist_layers(quantized, "fast").moe_layers)
+    assert not int4(model.hoist_layers(quantized, "exact").moe_layers)
 
 
 def test_forward_looped_over_layers_equals_unrolled(quantized):
