@@ -152,16 +152,28 @@ def _expert_parallel(kernel, axis: str, dropped: int | None, stacked: bool):
 
     def local(x, idx, w, gate, up, down, *layer):
         e = gate.shape[-3]
-        first = jax.lax.axis_index(axis) * e
-        mine = (idx >= first) & (idx < first + e)
-        other = e if dropped is None else dropped
+        mine, ids = _local_ids(idx, e, axis, e if dropped is None else dropped)
         extra = {"layer": layer[0]} if layer else {}
-        y = kernel(x, jnp.where(mine, idx - first, other), jnp.where(mine, w, 0.0), gate, up, down, **extra)
+        y = kernel(x, ids, jnp.where(mine, w, 0.0), gate, up, down, **extra)
         return jax.lax.psum(y.astype(jnp.float32), axis).astype(x.dtype)
 
+    return _over_expert_shards(local, axis, 3, stacked)
+
+
+def _local_ids(idx: jax.Array, e: int, axis: str, other: int) -> tuple[jax.Array, jax.Array]:
+    """(whether each routed id is one of this shard's `e` experts, its local id or `other`)."""
+    first = jax.lax.axis_index(axis) * e
+    mine = (idx >= first) & (idx < first + e)
+    return mine, jnp.where(mine, idx - first, other)
+
+
+def _over_expert_shards(local, axis: str, replicated: int, stacked: bool):
+    """shard_map of `local`(`replicated` replicated operands, gate, up, down[, layer]): the
+    expert weights split over mesh `axis` (their second axis when `stacked` [L, E, ...]), the
+    result replicated."""
     rep = PartitionSpec()
     experts = PartitionSpec(None, axis) if stacked else PartitionSpec(axis)
-    specs = (rep, rep, rep, experts, experts, experts) + ((rep,) if stacked else ())
+    specs = (rep,) * replicated + (experts,) * 3 + ((rep,) if stacked else ())
     # check_vma=False: pallas_call outputs carry no varying-axes annotation.
     return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)
 
@@ -187,13 +199,8 @@ def moe_pairs(
         return moe_pairs_in_tiles(x, idx, gate, up, down, tile, *layers)
 
     def local(x, idx, gate, up, down, *layer):
-        e = gate.shape[-3]
-        first = jax.lax.axis_index(axis) * e
-        mine = (idx >= first) & (idx < first + e)
-        ys = moe_pairs_in_tiles(x, jnp.where(mine, idx - first, e), gate, up, down, tile, *layer)
+        _, ids = _local_ids(idx, gate.shape[-3], axis, gate.shape[-3])
+        ys = moe_pairs_in_tiles(x, ids, gate, up, down, tile, *layer)
         return jax.lax.psum(ys, axis)  # the others' pairs are zeros here (ids past the experts)
 
-    rep = PartitionSpec()
-    experts = PartitionSpec(axis) if layer is None else PartitionSpec(None, axis)
-    specs = (rep, rep, experts, experts, experts) + ((rep,) if layers else ())
-    return jax.shard_map(local, in_specs=specs, out_specs=rep, check_vma=False)(x, idx, gate, up, down, *layers)
+    return _over_expert_shards(local, axis, 2, bool(layers))(x, idx, gate, up, down, *layers)
