@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from ddtree_jax import compile_cache
 from ddtree_jax.__main__ import main
 from ddtree_jax.drafters import dflash
 from ddtree_jax.generate import generate
@@ -197,12 +198,16 @@ def test_cli_eval_on_prepared_test_split(tmp_path, capsys):
     _eval(data_dir, tmp_path / "rows.json", capsys)
 
 
-def test_cli_eval_runs_every_prompt_set(tmp_path, capsys):
+def test_cli_eval_runs_every_prompt_set(tmp_path, capsys, monkeypatch):
     out_json = tmp_path / "rows.json"
     # _eval's length: the test set's AR program (batch 1, one 128-token window) is the one
     # test_cli_eval_without_prepared_data_tokenizes_stdlib compiles (loaded, not compiled, once a session).
     args = ["eval", "--prompts", "humaneval", "test", "--limit", "1", "--methods", "ar", "--max-new-tokens", "8"]
+    clear, cleared = compile_cache.clear, []
+    monkeypatch.setattr(compile_cache, "clear", lambda: (cleared.append(len(compile_cache._loaded)), clear())[1])
     main([*args, "--data", str(tmp_path), "--out", str(out_json)])
+    # Each run starts with the earlier runs' programs dropped: the second found the first's.
+    assert len(cleared) == 2 and cleared[1] >= 1, cleared
     out = capsys.readouterr().out
     assert "humaneval prompts: 1," in out and "test prompts: 1," in out
     with open(out_json) as f:
