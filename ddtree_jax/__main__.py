@@ -226,7 +226,7 @@ def generate_cmd(args) -> None:
 def eval_cmd(args) -> None:
     import json
 
-    from ddtree_jax import compile_cache, evaluation
+    from ddtree_jax import evaluation
     from ddtree_jax.generate import check_positions
 
     _check_args(args)
@@ -242,12 +242,7 @@ def eval_cmd(args) -> None:
     for prompt_set, prompts in prompt_sets.items():
         set_rows = []
         for method, budget in runs:
-            # Each run starts as a process of its own would: the programs of earlier runs
-            # dropped (loaded again from the persistent cache, untimed). On an H100 a third
-            # set of the shipped pair's programs held in the process made every call slower:
-            # DDTree(12) 4597 -> 3807 tokens/s, 4564-4582 with this (docs/benchmarks.md,
-            # session 48).
-            compile_cache.clear()
+            evaluation.fresh_programs()  # each run as a process of its own would time it
             row = _eval_run(shipped, prompts, args, method, budget, evaluation.Compiled()) | {"prompt_set": prompt_set}
             set_rows.append(row)
             print(json.dumps(set_rows[-1]), flush=True)

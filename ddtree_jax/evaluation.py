@@ -2,7 +2,7 @@
 
 Prompt sets (`prompt_set`, `validation_windows`), padding prompts into buckets of
 one width each (`bucket`), timing a call after its compile (`time_call`,
-`Compiled`), totals over many generate calls (`Totals`: tau, tokens/s, the
+`Compiled`) in a process cleared of earlier runs' programs (`fresh_programs`), totals over many generate calls (`Totals`: tau, tokens/s, the
 acceptance histogram), and where two token lists part (`first_difference`).
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Sequence
 import jax
 import numpy as np
 
-from ddtree_jax import data
+from ddtree_jax import compile_cache, data
 
 PROMPT_SETS = ("humaneval", "test")
 
@@ -101,6 +101,19 @@ def time_call(fn: Callable[[], object], repeats: int = 1, warmup: int = 1) -> tu
         out = jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+def fresh_programs() -> None:
+    """Drops the compiled programs earlier runs left in the process (jax's caches and
+    `compile_cache`'s), so that the next timed run measures what a process running it alone
+    would. Its programs are loaded again from the persistent cache, or compiled, at their
+    first call, which the timers here leave untimed.
+
+    On an H100 (docs/benchmarks.md, session 48), from the third eval run of a process on,
+    every call was slower with the earlier runs' programs held: DDTree(12) over the 164
+    HumanEval prompts 4597 -> 3807 tokens/s, 4564-4582 after this.
+    """
+    compile_cache.clear()
 
 
 class Compiled:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ddtree_jax import checkpoint, compile_cache, config, model, sharding
 from ddtree_jax.drafters import dflash
-from ddtree_jax.evaluation import time_call
+from ddtree_jax.evaluation import fresh_programs, time_call
 from ddtree_jax.generate import generate
 
 
@@ -102,6 +102,7 @@ def main():
         for method, budget in runs:
             kw = dict(method=method, tree_budget=budget, stop_token_ids=(), implementation=args.implementation)
             d = None if method == "ar" else draft
+            fresh_programs()  # each run as a process of its own would time it
             t_pre, _ = timed(target, d, prompts, 1, args.repeats, **kw)
             t, res = timed(target, d, prompts, args.max_new_tokens, args.repeats, **kw)
             iters = int(np.asarray(res.rounds).max())

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ddtree_jax import compile_cache
-from ddtree_jax.evaluation import Totals, bucket, prompt_set, time_call
+from ddtree_jax.evaluation import Totals, bucket, fresh_programs, prompt_set, time_call
 from ddtree_jax.generate import generate
 from ddtree_jax.shipped import load_shipped
 from ddtree_jax.tree import check_tree_temperature
@@ -353,6 +353,7 @@ def main(argv=None) -> None:
     bar = tqdm(runs, desc="sweep", unit="run")
     for t, method, bs, budget in bar:
         bar.set_postfix_str(f"T={t:g} {method} block={bs or '-'} budget={budget or '-'}")
+        fresh_programs()  # each point as a process of its own would time it
         rows.append(run_one(shipped, groups, args, t, method, bs, budget))
         save_rows(rows, args)  # after every run: a sweep cut short keeps what it measured
     bar.close()
