@@ -2,8 +2,9 @@
 
 Prompt sets (`prompt_set`, `validation_windows`), padding prompts into buckets of
 one width each (`bucket`), timing a call after its compile (`time_call`,
-`Compiled`) in a process cleared of earlier runs' programs (`fresh_programs`), totals over many generate calls (`Totals`: tau, tokens/s, the
-acceptance histogram), and where two token lists part (`first_difference`).
+`Compiled`) in a process cleared of earlier runs' programs (`fresh_programs`),
+totals over many generate calls (`Totals`: tau, tokens/s, the acceptance
+histogram), and where two token lists part (`first_difference`).
 """
 
 from __future__ import annotations
