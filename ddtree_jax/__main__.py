@@ -238,12 +238,15 @@ def eval_cmd(args) -> None:
     for prompts in prompt_sets.values():  # before any run: generate would refuse a long prompt mid-eval
         check_positions(shipped.target.config, [len(p) for p in prompts], args.max_new_tokens)
     runs = [(m, b) for m in args.methods for b in (args.budgets if m == "ddtree" else [None])]
+    compiled = evaluation.Compiled()
     rows = []
     for prompt_set, prompts in prompt_sets.items():
         set_rows = []
         for method, budget in runs:
-            evaluation.fresh_programs()  # each run as a process of its own would time it
-            row = _eval_run(shipped, prompts, args, method, budget, evaluation.Compiled()) | {"prompt_set": prompt_set}
+            if not args.keep_programs:
+                evaluation.fresh_programs()  # each run as a process of its own would time it
+                compiled = evaluation.Compiled()
+            row = _eval_run(shipped, prompts, args, method, budget, compiled) | {"prompt_set": prompt_set}
             set_rows.append(row)
             print(json.dumps(set_rows[-1]), flush=True)
             if args.out:  # after every run: an eval cut short keeps what it measured
@@ -430,6 +433,12 @@ def main(argv=None) -> None:
     e.add_argument("--data", default="data", help="prepared data folder (test split, HumanEval fallback)")
     e.add_argument("--out", default=None, help="write the rows as JSON here")
     e.add_argument("--bucket", type=int, default=128, help="pad prompts to multiples of this (one compile each)")
+    e.add_argument(
+        "--keep-programs",
+        action="store_true",
+        help="keep earlier runs' compiled programs loaded instead of dropping them before each run "
+        "(evaluation.fresh_programs); on an H100 later runs then ran 17-20%% slower (docs/benchmarks.md, session 48)",
+    )
     _sampling_args(e)
     h = sub.add_parser("humaneval", help="HumanEval pass@1: greedy completions, each problem's tests executed")
     h.add_argument("--method", default="ddtree", help="ar, dflash or ddtree: at T=0 in float32 the same tokens")

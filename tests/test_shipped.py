@@ -208,6 +208,9 @@ def test_cli_eval_runs_every_prompt_set(tmp_path, capsys, monkeypatch):
     main([*args, "--data", str(tmp_path), "--out", str(out_json)])
     # Each run starts with the earlier runs' programs dropped: the second found the first's.
     assert len(cleared) == 2 and cleared[1] >= 1, cleared
+    capsys.readouterr()
+    main([*args, "--data", str(tmp_path), "--out", str(out_json), "--keep-programs"])
+    assert len(cleared) == 2, cleared  # kept: not cleared again
     out = capsys.readouterr().out
     assert "humaneval prompts: 1," in out and "test prompts: 1," in out
     with open(out_json) as f:
