@@ -24,7 +24,7 @@ from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
-from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, MLA_SHAPES, MOE_SHAPES
+from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DRAFTER_LAYER_SHAPES, MLA_SHAPES, MOE_SHAPES
 from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -210,3 +210,21 @@ def test_mla_merge_kernel_lowers_for_the_gpu(monkeypatch, splits, tokens):
         fn = lambda o, lse, no, nl: merge_partials(o, lse, (no, nl), rows=q)  # noqa: E731
         text = _triton_lowered_for_cuda(fn, o, lse, *new)
     assert "xla.gpu.triton" in text and f"grid_y = {q} : i32" in text
+
+
+@pytest.mark.parametrize("name", list(DRAFTER_LAYER_SHAPES))
+def test_drafter_layer_kernel_lowers_for_the_gpu(name):
+    """The drafter layer's QKV kernel at full size to Triton IR, a program a head."""
+    from ddtree_jax.pallas.drafter_layer.kernel import qkv_pallas
+
+    s = DRAFTER_LAYER_SHAPES[name]
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    m, nh, half = s.batch * s.tokens, s.heads + 2 * s.kv_heads, s.head_dim // 2
+    rows = jax.ShapeDtypeStruct((m, s.hidden), bf16)
+    norm = jax.ShapeDtypeStruct((s.hidden,), bf16)
+    w = jax.ShapeDtypeStruct((s.hidden, nh, s.head_dim), bf16)
+    head_norm = jax.ShapeDtypeStruct((nh, s.head_dim), bf16)
+    table = jax.ShapeDtypeStruct((m, half), f32)
+    fn = functools.partial(qkv_pallas, nq=s.heads, eps=1e-6)
+    text = _triton_lowered_for_cuda(fn, rows, norm, w, head_norm, table, table)
+    assert "xla.gpu.triton" in text and f"grid_x = {nh} : i32" in text

@@ -58,6 +58,7 @@ from ddtree_jax.layers import (
 from ddtree_jax.model import TargetParams
 from ddtree_jax.pallas.drafter_attention.api import drafter_attention
 from ddtree_jax.pallas.drafter_attention.reference import masked_attention
+from ddtree_jax.pallas.drafter_layer.api import JointQKV, drafter_qkv, uses_kernel
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 __all__ = [
@@ -689,13 +690,27 @@ def _joint_keys_values(cfg: DrafterConfig, ckv: ContextKV, ctx, cos, sin) -> tup
     return jnp.moveaxis(k, 2, 0), jnp.moveaxis(kv[:, :, :, 1], 2, 0)
 
 
-def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots, stacked_kv=False):
+def _blocks(
+    params,
+    embed,
+    unembed,
+    x_tokens,
+    positions,
+    layer_kv,
+    attend,
+    slots,
+    stacked_kv=False,
+    implementation="xla",
+    joint_qkv=None,
+):
     """Shared drafter body: layers over block tokens, then logits at `slots` [B, M] of the block axis.
 
     attend(q, k_ctx, v_ctx, k_blk, v_blk, window, causal, layer) -> [B, T, Nq, hd] is a layer's
     attention, given its window and causal flag (traced scalars). `layer_kv` holds every layer's
     context keys / values [Ld, ...]: each layer gets its own slice (layer None), or, with
-    `stacked_kv`, all of them and its index (static where the layers are unrolled)."""
+    `stacked_kv`, all of them and its index (static where the layers are unrolled).
+    `implementation` picks the layers' QKV projection (`pallas.drafter_layer.api`), and
+    `joint_qkv` holds its joined weights (`JointQKV` per layer, as `params.layers`) or None."""
     cfg = params.config
     eps = cfg.rms_norm_eps
     x = sharding.embed_rows(embed, x_tokens).astype(params.dtype)
@@ -704,18 +719,17 @@ def _blocks(params, embed, unembed, x_tokens, positions, layer_kv, attend, slots
     causal = jnp.asarray(cfg.causal_layers)
 
     def body(x, xs):
-        lp, kv, window, is_causal, li = xs
+        lp, kv, joint, window, is_causal, li = xs
         k_ctx, v_ctx = layer_kv if stacked_kv else kv
-        h = rms_norm(x, lp.input_norm, eps)
-        q = apply_rope(rms_norm(linear(h, lp.q), lp.q_norm, eps), cos, sin)
-        k_blk, v_blk = _keys_values(cfg, lp, h, cos, sin)
+        q, k_blk, v_blk = drafter_qkv(x, lp, cos, sin, eps, joint=joint, implementation=implementation)
         o = attend(q, k_ctx, v_ctx, k_blk, v_blk, window, is_causal, li if stacked_kv else None)
         x = x + einsum("btnd,ndh->bth", o, lp.o).astype(x.dtype)
         x = x + swiglu(rms_norm(x, lp.post_norm, eps), lp.gate, lp.up, lp.down)
         return x, None
 
     # A host arange: unrolled (`Unstacked` layers), each layer's index is a static int.
-    xs = (params.layers, None if stacked_kv else layer_kv, windows, causal, np.arange(cfg.num_hidden_layers))
+    kv = None if stacked_kv else layer_kv
+    xs = (params.layers, kv, joint_qkv, windows, causal, np.arange(cfg.num_hidden_layers))
     x, _ = scan_layers(body, x, xs, unroll=True)  # few layers: no device loop
     hidden = rms_norm(jnp.take_along_axis(x, slots[..., None], axis=1), params.norm, eps)
     return jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
@@ -773,6 +787,7 @@ def draft(
     block_tokens: jax.Array,  # [B, T] int32: [root, mask, ...]
     block_positions: jax.Array,  # [B, T] int32
     implementation: str = "xla",
+    joint_qkv: Unstacked | JointQKV | None = None,
 ) -> jax.Array:
     """One drafter forward over a block; float32 logits [B, T - 1, V] for block slots 1 .. T-1.
 
@@ -786,9 +801,14 @@ def draft(
       unembed: the target's output projection.
       block_tokens: the root (bonus) token followed by mask tokens.
       block_positions: absolute positions of the block, L .. L + T - 1.
-      implementation: the block attention's (`pallas.drafter_attention.api`): "xla", or
-        "auto" / "pallas" for its kernel, which reads only the slots in a sliding layer's window
-        ("auto": on a GPU, where every layer's window or the cache is short).
+      implementation: the block attention's (`pallas.drafter_attention.api`) and the layers'
+        QKV projection's (`pallas.drafter_layer.api`): "xla", or "auto" / "pallas" for their
+        kernels; the attention kernel reads only the slots in a sliding layer's window ("auto":
+        on a GPU, where every layer's window or the cache is short; the projection's on a GPU
+        for a narrow drafter).
+      joint_qkv: each layer's `JointQKV`, as `params.layers` holds the layers (stacked, or
+        `Unstacked` in a decode loop), made once for the projection's kernel; None: made
+        where the kernel runs.
 
     Returns:
       Logits of the masked slots.
@@ -823,7 +843,19 @@ def draft(
 
         slots = jnp.broadcast_to(jnp.arange(1, t), (b, t - 1))
         kv = (cache.k, cache.v)
-        return _blocks(params, embed, unembed, block_tokens, block_positions, kv, attend, slots, stacked_kv=True)
+        return _blocks(
+            params,
+            embed,
+            unembed,
+            block_tokens,
+            block_positions,
+            kv,
+            attend,
+            slots,
+            stacked_kv=True,
+            implementation=implementation,
+            joint_qkv=joint_qkv,
+        )
 
 
 def train_logits(
@@ -936,8 +968,9 @@ class DFlashDrafter:
 
     params: DrafterParams
     block_size: int = struct.field(pytree_node=False)
-    implementation: str = struct.field(pytree_node=False, default="xla")  # the block attention's (`draft`)
+    implementation: str = struct.field(pytree_node=False, default="xla")  # the block's kernels (`draft`)
     context_kv: ContextKV | None = None  # set by `for_loop` (`FUSED_CONTEXT_KV`)
+    joint_qkv: Unstacked | None = None  # set by `for_loop` where the layers' QKV kernel runs
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -953,9 +986,12 @@ class DFlashDrafter:
         was a device copy every round)."""
         if isinstance(self.params.layers, Unstacked):
             return self
-        layers = self.params.layers
+        cfg, layers = self.params.config, self.params.layers
         joint = ContextKV.of(layers) if FUSED_CONTEXT_KV else None
-        return self.replace(params=self.params.replace(layers=unstack(layers)), context_kv=joint)
+        qkv = None
+        if uses_kernel(self.implementation, cfg.hidden_size, cfg.head_dim):
+            qkv = unstack(JointQKV.of(layers))
+        return self.replace(params=self.params.replace(layers=unstack(layers)), context_kv=joint, joint_qkv=qkv)
 
     def init_state(self, target: TargetParams, batch: int, capacity: int) -> DrafterCache:
         return DrafterCache.init(self.params.config, batch, capacity, self.params.fc.dtype)
@@ -968,4 +1004,6 @@ class DFlashDrafter:
         mask_id = self.params.config.mask_token_id
         block = jnp.full((b, bs), mask_id, jnp.int32).at[:, 0].set(roots)
         positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)
-        return draft(self.params, state, target.embed, target.unembed, block, positions, self.implementation)
+        return draft(
+            self.params, state, target.embed, target.unembed, block, positions, self.implementation, self.joint_qkv
+        )

@@ -2,7 +2,7 @@
 
 `ddtree_jax/pallas/<op>/` holds `reference.py` (float32 math, also the XLA
 fallback), `kernel.py` (the Triton-lowered kernel and its frozen tile config, where one
-is kept: the routed experts', the drafter's block attention), `mosaic.py` (the Mosaic GPU kernel: TMA, wgmma, warp
+is kept: the routed experts', the drafter's block attention and its QKV projection), `mosaic.py` (the Mosaic GPU kernel: TMA, wgmma, warp
 specialization, and its tiles),
 `api.py` (one dispatch function with `implementation=`) and `bench.py`; `shapes.py`
 names the real shapes that bench and tests share.
@@ -17,8 +17,10 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic")
 operands (bf16 / f16, widths that fit its tiles; for the routed experts also weights big
 enough to stream, `moe.api.AUTO_MIN_BYTES`), and the XLA path otherwise (the CPU,
 float32, shapes the kernel does not tile, small launch-bound models); the DFlash drafter's
-block attention takes its Triton-lowered kernel on a GPU (`drafter_attention.api.uses_kernel`).
-"pallas": the Triton-lowered kernels: the routed experts', the drafter's attention; MLA
+block attention takes its Triton-lowered kernel on a GPU (`drafter_attention.api.uses_kernel`),
+and a narrow drafter's QKV projection its own (`drafter_layer.api.uses_kernel`).
+"pallas": the Triton-lowered kernels: the routed experts', the drafter's attention and QKV
+projection; MLA
 attention, whose Triton kernel was removed (the Mosaic one beat it at every measured shape),
 on the XLA path.
 "mosaic": the Mosaic GPU kernels (interpret mode on a CPU backend)."""

@@ -8,7 +8,8 @@ split of 384. Trees of 16 / 32 / 64 / 128 nodes verify 17 / 33 / 65 / 129 tokens
 token to one local expert, as `experiments/k2_shard.py`'s shard model does.
 
 The DFlash drafter's block attention: 16 block queries over a context cache, the shipped
-drafter's heads and Kimi-K2.5-DFlash's.
+drafter's heads and Kimi-K2.5-DFlash's. The drafter layer's QKV projection: a block of 16 rows
+a batch row, the shipped drafter's widths and Kimi-K2.5-DFlash's.
 
 `shrink` scales a shape down for the CPU (interpret mode) while keeping its
 structure: the same token counts and head / expert counts, smaller widths.
@@ -99,4 +100,29 @@ DRAFTER_ATTENTION_SHAPES: dict[str, DrafterAttentionShape] = {
         for k, cache in (("4k", 4096), ("32k", 32768), ("128k", 131072))
         for tp, heads, kv in (("", 64, 8), ("_tp8", 8, 1))
     },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterLayerShape:
+    """One drafter layer's QKV projection: B x T rows of width H; Nq / Nkv heads of hd."""
+
+    batch: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int = 16
+
+    def shrink(self) -> DrafterLayerShape:
+        """The CPU version: H / 16 (at least 128), heads / 8 (at least 1)."""
+        return dataclasses.replace(
+            self, hidden=max(self.hidden // 16, 128), heads=max(self.heads // 8, 1), kv_heads=max(self.kv_heads // 8, 1)
+        )
+
+
+DRAFTER_LAYER_SHAPES: dict[str, DrafterLayerShape] = {
+    "shipped": DrafterLayerShape(1, 384, 6, 1, 64),
+    "shipped_batch8": DrafterLayerShape(8, 384, 6, 1, 64),
+    "kimi_k25_dflash": DrafterLayerShape(1, 7168, 64, 8, 128),
 }
