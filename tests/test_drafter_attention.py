@@ -209,8 +209,8 @@ def test_head_group_rule(monkeypatch):
     assert launched == [(1, api.num_splits(64, 2, 8)), (4, api.num_splits(64, 2, 2))], launched
 
 
-def _drafter(target_cfg, window, causal, seed=0):
-    cfg = dflash.drafter_config_for(target_cfg, num_hidden_layers=2, block_size=4, head_dim=16)
+def _drafter(target_cfg, window, causal, seed=0, head_dim=16):
+    cfg = dflash.drafter_config_for(target_cfg, num_hidden_layers=2, block_size=4, head_dim=head_dim)
     cfg = dataclasses.replace(cfg.with_sliding_window(window), is_causal=causal)
     return dflash.init_params(cfg, jax.random.PRNGKey(seed), std=0.3)
 
@@ -271,12 +271,14 @@ def test_a_stacked_cache_is_read_in_place_by_layer(monkeypatch):
     )
 
 
-def test_greedy_ddtree_equals_ar_with_the_kernel():
-    """generate(implementation="pallas"): the DFlash drafter on the kernel, the routed experts on
-    theirs; greedy DDTree gives AR's tokens, and the drafter's kernel the XLA path's proposals."""
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_greedy_ddtree_equals_ar_with_the_kernel(head_dim):
+    """generate(implementation="pallas"): the DFlash drafter on the kernel (at head dim 32 its
+    QKV projection too, `pallas.drafter_layer`), the routed experts on theirs; greedy DDTree
+    gives AR's tokens, and the drafter's kernels the XLA path's proposals."""
     cfg = tiny()
     target = random_target(cfg, seed=2)
-    drafter = _drafter(cfg, 8, False, seed=1)
+    drafter = _drafter(cfg, 8, False, seed=1, head_dim=head_dim)
     prompts = [[5, 17, 33, 2, 9, 40, 41], [9]]
     kw = dict(max_new_tokens=8)
     ar = generate(target, None, prompts, **kw).to_lists()

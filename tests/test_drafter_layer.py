@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from ddtree_jax.drafters import dflash
-from ddtree_jax.generate import generate
 from ddtree_jax.layers import Unstacked
 from ddtree_jax.pallas.drafter_layer import api
 from ddtree_jax.pallas.drafter_layer.kernel import DrafterLayerTiles, qkv_pallas, takes
@@ -158,24 +157,6 @@ def _lengths(cache):
         lengths: jax.Array
 
     return Lengths(cache.lengths)
-
-
-def test_greedy_ddtree_equals_ar_with_the_kernel():
-    """generate(implementation="pallas") with a drafter the QKV kernel takes: greedy DDTree
-    gives AR's tokens, and the kernel the XLA path's proposals."""
-    cfg = tiny()
-    target = random_target(cfg, seed=2)
-    drafter = _drafter(cfg, seed=1)
-    prompts = [[5, 17, 33, 2, 9, 40, 41], [9]]
-    kw = dict(max_new_tokens=8)
-    ar = generate(target, None, prompts, **kw).to_lists()
-    runs = {
-        impl: generate(target, drafter, prompts, method="ddtree", tree_budget=5, implementation=impl, **kw)
-        for impl in ("xla", "pallas")
-    }
-    for r in runs.values():
-        assert r.to_lists() == ar
-    np.testing.assert_array_equal(runs["pallas"].accept_lengths, runs["xla"].accept_lengths)
 
 
 def test_bench_smoke(capsys):
