@@ -130,7 +130,7 @@ to 4.15 ms (ddtree(32)). False: the unrolled prefill (for before / after runs)."
 
 def for_loop(target: TargetParams, drafter, numerics: str, implementation: str):
     """(target, drafter) as the decode loop holds them (`HOIST_LOOP_INVARIANTS`), the DFlash
-    drafter's attention on `implementation`'s kernels; drafter may be None."""
+    drafter's attention and QKV projection on `implementation`'s kernels; drafter may be None."""
     if isinstance(drafter, DFlashDrafter):
         drafter = drafter.replace(implementation=implementation)
     if not HOIST_LOOP_INVARIANTS:
@@ -449,8 +449,9 @@ def generate(
       cache_dtype: latent-cache dtype; default the params' dtype.
       implementation: "auto" (default: the Mosaic GPU kernels for MLA attention and
         the routed experts on a Hopper GPU where they take the operands, bf16 / f16,
-        else XLA), "xla", "pallas" (the Triton-lowered routed-expert kernel;
-        attention on XLA) or "mosaic"
+        else XLA; the DFlash drafter's Triton-lowered kernels on a GPU), "xla", "pallas"
+        (the Triton-lowered kernels: routed experts, the drafter's attention and QKV
+        projection; MLA attention on XLA) or "mosaic"
         (`ddtree_jax.pallas.IMPLEMENTATIONS`; kernels run in interpret mode on a CPU
         backend). With weights placed by `sharding.shard_target`, the kernels run per
         shard under that mesh: heads and experts over "model", the batch over "data".

@@ -58,7 +58,8 @@ from ddtree_jax.layers import (
 from ddtree_jax.model import TargetParams
 from ddtree_jax.pallas.drafter_attention.api import drafter_attention
 from ddtree_jax.pallas.drafter_attention.reference import masked_attention
-from ddtree_jax.pallas.drafter_layer.api import JointQKV, drafter_qkv, uses_kernel
+from ddtree_jax.pallas.drafter_layer.api import JointQKV, drafter_qkv
+from ddtree_jax.pallas.drafter_layer.api import uses_kernel as uses_qkv_kernel
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 __all__ = [
@@ -989,7 +990,7 @@ class DFlashDrafter:
         cfg, layers = self.params.config, self.params.layers
         joint = ContextKV.of(layers) if FUSED_CONTEXT_KV else None
         qkv = None
-        if uses_kernel(self.implementation, cfg.hidden_size, cfg.head_dim):
+        if uses_qkv_kernel(self.implementation, cfg.hidden_size, cfg.head_dim):
             qkv = unstack(JointQKV.of(layers))
         return self.replace(params=self.params.replace(layers=unstack(layers)), context_kv=joint, joint_qkv=qkv)
 
