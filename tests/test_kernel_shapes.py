@@ -7,6 +7,7 @@ bf16 operands.
 """
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret mode runs the kernel body in Python: the CPU takes a sample.
-CPU_SAMPLE = {"kimi_k2_tp8_tree16", "kimi_k2_ep8_tree16", "shipped_ctx512_batch8"}
+CPU_SAMPLE = {"kimi_k2_tp8_tree16", "kimi_k2_ep8_tree16", "shipped_ctx512_batch8", "shipped_batch8"}
 
 
 def _shape(table, name):
@@ -110,6 +111,25 @@ def test_drafter_attention_kernel_on_named_shapes(name, splits):
     assert got.shape == want.shape == (shape.batch, shape.tokens, shape.heads, shape.head_dim)
     err = float(jnp.max(jnp.abs(got - want)))
     assert err < 2e-2 * float(jnp.max(jnp.abs(want))), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DRAFTER_LAYER_SHAPES))
+def test_drafter_layer_kernel_on_named_shapes(name):
+    """The drafter layer's QKV kernel on the bench's bf16 operands against the XLA path in float32."""
+    from ddtree_jax.pallas.drafter_layer import api
+    from ddtree_jax.pallas.drafter_layer import bench as layer_bench
+
+    shape = _shape(DRAFTER_LAYER_SHAPES, name)
+    layer = layer_bench.Layer(shape, jax.random.PRNGKey(0))
+    x, cos, sin = layer_bench.inputs(shape, jax.random.PRNGKey(1))
+    got = jax.jit(lambda *a: api.drafter_qkv(a[0], layer, *a[1:], 1e-6, implementation="pallas"))(x, cos, sin)
+    f32 = types.SimpleNamespace(**{k: v.astype(jnp.float32) for k, v in vars(layer).items()})
+    want = api.drafter_qkv(x.astype(jnp.float32), f32, cos, sin, 1e-6, implementation="xla")
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == jnp.bfloat16
+        err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)))
+        assert err < 3e-2 * float(jnp.max(jnp.abs(w))), err
 
 
 # Lowered for CUDA on the CPU (no GPU needed): Mosaic GPU's layout inference, relayouts and
