@@ -41,7 +41,9 @@ from ddtree_jax.sampling import check_float32_positive, scaled_logits
 
 MAX_BUDGET = 1024
 TOP_K_CHUNK = 256
-"""`top_k` over more than 2 x this many entries runs in two stages (0: one `lax.top_k`)."""
+"""`top_k` over more than 2 x this many entries runs in two stages (0: one `lax.top_k`). Also for
+k <= 16: on an H100 (session 49, docs/benchmarks.md) one `lax.top_k` made DDTree(12)'s tree
+0.111 ms a call against 0.035 in two stages, and its round 0.751 ms against 0.661."""
 RANK_TOP_K_MAX = 0
 """`top_k` ranks rows of at most this many entries by comparing every pair
 (`topk.rank_top_k`, the same result) instead of sorting them (0: always sort). On the GPU each
