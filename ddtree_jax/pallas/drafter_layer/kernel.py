@@ -73,39 +73,41 @@ def padded_rows(rows: int) -> int:
     return max(16, pl.next_power_of_2(rows))
 
 
-def _normed_dots(x_ref, g_ref, w_refs, *, hidden, block_k, eps):
-    """Dots of rms_norm(x) (weight g) with each [H, n] weight ref of `w_refs` (float32 [BM, n]),
-    in BK steps; a row whose mean square overflows comes out NaN, as `layers.rms_norm`'s."""
+def _inv_rms(ms, eps):
+    """rsqrt(ms + eps) [BM, 1] of mean squares ms [BM]; NaN where ms overflowed, as `layers.rms_norm`."""
+    return jnp.where(ms == jnp.inf, jnp.nan, jax.lax.rsqrt(ms + eps))[:, None]
+
+
+def _normed_halves(x_ref, g_ref, w_ref, *, block_k, eps):
+    """rms_norm(x) (weight g) times the two column halves of the head's weights w [H, hd],
+    float32 [BM, hd / 2] each, in BK steps over H."""
     f32 = jnp.float32
     rows = x_ref.shape[0]
+    hidden, hd = w_ref.shape
+    halves = (pl.ds(0, hd // 2), pl.ds(hd // 2, hd // 2))
 
     def step(i, carry):
-        ss, accs = carry
+        ss, a1, a2 = carry
         k0 = pl.multiple_of(i * block_k, block_k)
         xb = x_ref[:, pl.ds(k0, block_k)].astype(f32)
-        xg = (xb * g_ref[pl.ds(k0, block_k)].astype(f32)[None, :]).astype(w_refs[0][0].dtype)
-        accs = tuple(
-            a + jnp.dot(xg, ref[pl.ds(k0, block_k), cols], preferred_element_type=f32)
-            for a, (ref, cols) in zip(accs, w_refs, strict=True)
-        )
-        return ss + jnp.sum(xb * xb, axis=1), accs
+        xg = (xb * g_ref[pl.ds(k0, block_k)].astype(f32)[None, :]).astype(w_ref.dtype)
+        d1, d2 = (jnp.dot(xg, w_ref[pl.ds(k0, block_k), c], preferred_element_type=f32) for c in halves)
+        return ss + jnp.sum(xb * xb, axis=1), a1 + d1, a2 + d2
 
-    zeros = tuple(jnp.zeros((rows, cols.size), f32) for _, cols in w_refs)
-    ss, accs = jax.lax.fori_loop(0, hidden // block_k, step, (jnp.zeros((rows,), f32), zeros))
-    ms = ss / hidden
-    scale = jnp.where(ms == jnp.inf, jnp.nan, jax.lax.rsqrt(ms + eps))[:, None]
-    return tuple(a * scale for a in accs)
+    zero = jnp.zeros((rows, hd // 2), f32)
+    ss, a1, a2 = jax.lax.fori_loop(0, hidden // block_k, step, (jnp.zeros((rows,), f32), zero, zero))
+    scale = _inv_rms(ss / hidden, eps)
+    return a1 * scale, a2 * scale
 
 
 def _qkv_kernel(x_ref, g_ref, w_ref, hn_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, nq, nkv, block_k, eps):
     f32 = jnp.float32
     head = pl.program_id(0)
-    hidden, hd = w_ref.shape
+    hd = w_ref.shape[1]
     half = hd // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    y1, y2 = _normed_dots(x_ref, g_ref, ((w_ref, lo), (w_ref, hi)), hidden=hidden, block_k=block_k, eps=eps)
-    ms = (jnp.sum(y1 * y1, axis=1) + jnp.sum(y2 * y2, axis=1)) / hd
-    r = jnp.where(ms == jnp.inf, jnp.nan, jax.lax.rsqrt(ms + eps))[:, None]
+    y1, y2 = _normed_halves(x_ref, g_ref, w_ref, block_k=block_k, eps=eps)
+    r = _inv_rms((jnp.sum(y1 * y1, axis=1) + jnp.sum(y2 * y2, axis=1)) / hd, eps)
     n1 = y1 * r * hn_ref[lo].astype(f32)[None, :]
     n2 = y2 * r * hn_ref[hi].astype(f32)[None, :]
     cos, sin = cos_ref[...], sin_ref[...]
