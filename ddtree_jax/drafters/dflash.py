@@ -60,6 +60,7 @@ from ddtree_jax.pallas.drafter_attention.api import drafter_attention
 from ddtree_jax.pallas.drafter_attention.reference import masked_attention
 from ddtree_jax.pallas.drafter_layer.api import JointQKV, drafter_qkv
 from ddtree_jax.pallas.drafter_layer.api import uses_kernel as uses_qkv_kernel
+from ddtree_jax.pallas.drafter_layer.reference import keys_values
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 __all__ = [
@@ -644,14 +645,6 @@ def _rope(cfg: DrafterConfig, positions: jax.Array) -> tuple[jax.Array, jax.Arra
     return jnp.cos(freqs) * factor, jnp.sin(freqs) * factor
 
 
-def _keys_values(
-    cfg: DrafterConfig, lp: DrafterLayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """One layer's k (k_norm'd, RoPE'd) and v [B, T, Nkv, hd] of inputs x [B, T, H]."""
-    k = apply_rope(rms_norm(linear(x, lp.k), lp.k_norm, cfg.rms_norm_eps), cos, sin)
-    return k, linear(x, lp.v)
-
-
 def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]:
     """Every layer's context k, v [Ld, B, T, Nkv, hd] of context vectors ctx [B, T, H]."""
     # An unrolled scan: per-layer dots stay unbatched (XLA:CPU lacks batched bf16 dots), and no
@@ -659,7 +652,7 @@ def _per_layer_keys_values(params, ctx, cos, sin) -> tuple[jax.Array, jax.Array]
     cfg = params.config
 
     def body(_, lp):
-        return None, _keys_values(cfg, lp, ctx, cos, sin)
+        return None, keys_values(ctx, lp.k, lp.v, lp.k_norm, cos, sin, cfg.rms_norm_eps)
 
     return scan_layers(body, None, params.layers, unroll=True)[1]
 

@@ -26,6 +26,23 @@ def qkv_reference(
     """A Qwen3 attention's inputs: rms_norm(x) projected to q, k, v [B, T, n, hd] (x's dtype);
     q and k each rms-normed per head and rotated (rotate-half RoPE)."""
     h = rms_norm(x, input_norm, eps)
-    q = apply_rope(rms_norm(linear(h, q), q_norm, eps), cos, sin)
-    k = apply_rope(rms_norm(linear(h, k), k_norm, eps), cos, sin)
-    return q, k, linear(h, v)
+    return (_normed_rotated(h, q, q_norm, cos, sin, eps), *keys_values(h, k, v, k_norm, cos, sin, eps))
+
+
+def keys_values(
+    h: jax.Array,  # [B, T, H]
+    k: jax.Array,  # [H, Nkv, hd]
+    v: jax.Array,  # [H, Nkv, hd]
+    k_norm: jax.Array,  # [hd]
+    cos: jax.Array,  # [B, T, F] float32
+    sin: jax.Array,  # [B, T, F] float32
+    eps: float,
+) -> tuple[jax.Array, jax.Array]:
+    """k (rms-normed per head, rotated) and v [B, T, Nkv, hd] of inputs h: a block's, or the
+    drafter's context vectors (`dflash.extend_context`)."""
+    return _normed_rotated(h, k, k_norm, cos, sin, eps), linear(h, v)
+
+
+def _normed_rotated(h, w, norm, cos, sin, eps):
+    """h projected by w [H, n, hd], rms-normed per head (weight norm [hd]) and rotated."""
+    return apply_rope(rms_norm(linear(h, w), norm, eps), cos, sin)
