@@ -51,7 +51,7 @@ def _dense(a, dtype):
     return a.dequantize(dtype) if isinstance(a, QuantizedArray) else a
 
 
-def _routing(idx: jax.Array, w: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+def routing(idx: jax.Array, w: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(comb, chosen), both [T, E]: float32 with w[t, k] at column idx[t, k], and whether token
     t chose expert e. Ids outside [0, E) choose nothing."""
     hit = idx[:, :, None] == jnp.arange(num_experts)  # [T, K, E]
@@ -66,7 +66,7 @@ def moe_experts_reference(x, idx, w, gate, up, down):
     h_up = einsum("th,ehi->eti", x, up).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
     y = einsum("eti,eih->eth", act, down).astype(x.dtype)
-    comb, chosen = _routing(idx, w, gate.shape[0])  # [T, E]
+    comb, chosen = routing(idx, w, gate.shape[0])  # [T, E]
     # An expert no token chose adds nothing, even where its weights (and so y) are not finite.
     y = jnp.where(chosen.T[..., None], y, 0)
     return jnp.sum(comb.T[..., None] * y.astype(f32), axis=0).astype(x.dtype)
@@ -82,7 +82,7 @@ def _moe_dense_flat(x, idx, w, gate, up, down):
     `down` weights still make every token's output non-finite (the loaders refuse them)."""
     e = gate.shape[0]
     gate, up, down = (_dense(a, x.dtype) for a in (gate, up, down))
-    comb, chosen = _routing(idx, w, e)  # [T, E]
+    comb, chosen = routing(idx, w, e)  # [T, E]
     h_gate = einsum("th,ehi->tei", x, gate).astype(x.dtype)
     h_up = einsum("th,ehi->tei", x, up).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(jnp.float32) * comb[:, :, None]
