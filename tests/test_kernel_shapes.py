@@ -21,18 +21,11 @@ from ddtree_jax.pallas.mla_attention import bench as mla_bench
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.moe import bench as moe_bench
-from ddtree_jax.pallas.moe.dense import moe_dense_pallas
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
-from ddtree_jax.pallas.shapes import (
-    DRAFTER_ATTENTION_SHAPES,
-    DRAFTER_LAYER_SHAPES,
-    MLA_SHAPES,
-    MOE_DENSE_SHAPES,
-    MOE_SHAPES,
-)
+from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DRAFTER_LAYER_SHAPES, MLA_SHAPES, MOE_SHAPES
 from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -99,19 +92,6 @@ def test_moe_kernel_on_named_shapes(name, impl):
     int4 = impl.startswith("w4a16")
     want = moe_experts_reference(*_f32(args[:3]), *args[3:]) if int4 else moe_experts_reference(*_f32(args))
     assert got.shape == (shape.tokens, shape.hidden)
-    np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(MOE_DENSE_SHAPES))
-def test_moe_dense_kernel_on_named_shapes(name):
-    """The few-token dense pass on the shipped target's verify shapes (small enough to run
-    unshrunk; the CPU takes the first)."""
-    if not ON_GPU and name != "shipped_tree12":
-        pytest.skip("full size and compiled on the GPU machine: pytest -m gpu")
-    args = _moe_operands(MOE_DENSE_SHAPES[name], "pallas")
-    got = jax.jit(functools.partial(moe_dense_pallas, interpret=not ON_GPU))(*args).astype(jnp.float32)
-    want = moe_experts_reference(*_f32(args))
     np.testing.assert_allclose(got, want, atol=3e-2 * float(jnp.max(jnp.abs(want))), rtol=0)
 
 
@@ -224,17 +204,6 @@ def test_drafter_attention_head_groups_lower_for_the_gpu(name):
 def test_moe_triton_kernel_lowers_for_the_gpu(name):
     operands = jax.eval_shape(lambda: _moe_operands(MOE_SHAPES[name], "pallas"))
     assert _triton_lowered_for_cuda(moe_experts_pallas, *operands).count("xla.gpu.triton") == 2  # gate/up, down
-
-
-@pytest.mark.parametrize("name", list(MOE_DENSE_SHAPES))
-def test_moe_dense_kernel_lowers_for_the_gpu(name):
-    """The few-token dense pass to Triton IR at the named shapes: one launch, a program per
-    expert and block of its intermediate columns."""
-    operands = jax.eval_shape(lambda: _moe_operands(MOE_DENSE_SHAPES[name], "pallas"))
-    text = _triton_lowered_for_cuda(moe_dense_pallas, *operands)
-    shape = MOE_DENSE_SHAPES[name]
-    assert text.count("xla.gpu.triton") == 1
-    assert f"grid_x = {shape.experts} : i32" in text and f"grid_y = {shape.inter // 64} : i32" in text
 
 
 @pytest.mark.parametrize(("splits", "tokens"), [(128, 1), (43, 16)])

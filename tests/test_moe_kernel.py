@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 
 from ddtree_jax.pallas import mosaic_interpret
-from ddtree_jax.pallas.moe import api as moe_api
 from ddtree_jax.pallas.moe import moe_experts
-from ddtree_jax.pallas.moe.dense import DenseMoETiles, moe_dense_pallas
 from ddtree_jax.pallas.moe.kernel import MoETiles, group_by_expert, moe_experts_pallas, num_row_blocks
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
-from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_experts_xla
+from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
-from ddtree_jax.quant import Int4
 
 SMALL_TILES = MoETiles(block_m=16, block_i=16, block_h=16, block_k=16)
 
@@ -442,122 +439,3 @@ def test_layer_stacks_are_indexed_in_place(weights):
         moe_experts(x, idx, w, *layers[0][3:], layer=jnp.int32(0))
     with pytest.raises(ValueError, match=r"\[E, H, I\] without a layer"):
         moe_experts(x, idx, w, *stacks)
-
-
-# The few-token dense pass (dense.py): every expert on every token, one launch.
-
-
-@pytest.mark.parametrize(
-    ("t", "k", "e", "h", "i", "tiles"),
-    [
-        (13, 2, 16, 384, 192, DenseMoETiles()),  # the shipped target's verify at budget 12: rows 13 -> 16
-        (5, 3, 8, 48, 32, DenseMoETiles(block_i=16, block_k=16)),  # H of three BK steps, two I blocks
-        (33, 1, 4, 64, 96, DenseMoETiles(block_i=64)),  # block_i shrunk to 32 (96 = 3 x 32); 64 rows
-        (64, 8, 8, 32, 16, DenseMoETiles()),  # every token on every expert; block_k shrunk to H
-    ],
-)
-def test_dense_kernel_matches_reference(t, k, e, h, i, tiles):
-    args = case(t, t, e, h, i, k=k)
-    got = moe_dense_pallas(*args, tiles=tiles, interpret=True)
-    assert got.shape == (t, h) and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, moe_experts_reference(*args), atol=1e-5, rtol=1e-5)
-
-
-def test_dense_kernel_skips_idle_experts_and_drops_outside_ids():
-    """Experts 0, 2 and 4-7 are chosen by no token: their weights (NaN for expert 0) are never
-    read. Ids -1 and 8 (another shard's) choose nothing; all tokens on expert 3 but one."""
-    idx = [[1, 3], [3, -1], [3, 8], [1, 3], [3, 1]]
-    x, idx, w, gate, up, down = case(3, 5, 8, 32, 16, idx=np.asarray(idx))
-    gate, down = gate.at[0].set(jnp.nan), down.at[0].set(jnp.nan)
-    got = moe_dense_pallas(x, idx, w, gate, up, down, tiles=DenseMoETiles(block_i=16, block_k=16), interpret=True)
-    assert bool(jnp.all(jnp.isfinite(got)))
-    np.testing.assert_allclose(got, moe_experts_reference(x, idx, w, gate, up, down), atol=1e-5, rtol=1e-5)
-
-
-def test_dense_kernel_in_bf16_is_the_xla_dense_pass_within_rounding():
-    args = case(4, 13, 16, 128, 64, k=2, dtype=jnp.bfloat16)
-    want = jax.jit(moe_experts_xla)(*args).astype(jnp.float32)  # its dense pass: 26 pairs > 16 experts
-    got = moe_dense_pallas(*args, interpret=True).astype(jnp.float32)
-    assert float(jnp.max(jnp.abs(got - want))) <= 2e-2 * float(jnp.max(jnp.abs(want)))
-
-
-def test_auto_takes_the_dense_kernel_only_for_the_xla_dense_pass(monkeypatch):
-    """AUTO_DENSE_KERNEL=True: "auto" runs the kernel where the XLA path would run its dense
-    pass (E / K < T <= 64) on dense weights of x's dtype, and the XLA path elsewhere; with the
-    default (None) the CPU keeps the XLA path, bit for bit."""
-    calls = []
-    kernel = moe_api.dense.moe_dense_pallas
-    monkeypatch.setattr(
-        moe_api.dense, "moe_dense_pallas", lambda *a, **kw: (calls.append(a[0].shape), kernel(*a, **kw))[1]
-    )
-    args = case(5, 13, 16, 32, 16, k=2)
-    assert moe_api.AUTO_DENSE_KERNEL is None
-    np.testing.assert_array_equal(moe_experts(*args, implementation="auto"), moe_experts_xla(*args))
-    assert calls == []
-    monkeypatch.setattr(moe_api, "AUTO_DENSE_KERNEL", True)
-    np.testing.assert_allclose(moe_experts(*args, implementation="auto"), moe_experts_xla(*args), atol=1e-5)
-    assert calls == [(13, 32)]
-    for t, k in ((8, 2), (65, 2)):  # T * K <= E: the weight gather; T > 64: beyond the kernel's rows
-        moe_experts(*case(5, t, 16, 32, 16, k=k), implementation="auto")
-    moe_experts(*args, implementation="xla")
-    moe_experts(*case(5, 13, 16, 24, 16, k=2), implementation="auto")  # H not a multiple of 16
-    x, idx, w = args[:3]
-    moe_experts(x.astype(jnp.bfloat16), idx, w, *args[3:], implementation="auto")  # float32 weights, bf16 x
-    int4 = [Int4(group_size=16).quantize(a) for a in args[3:]]
-    moe_experts(x, idx, w, *int4, implementation="auto")  # INT4 (hoisted to dense in the decode loop)
-    assert calls == [(13, 32)]
-
-
-def test_dense_kernel_refuses_what_it_cannot_tile():
-    x, idx, w, gate, up, down = case(0, 4, 4, 24, 16)
-    with pytest.raises(ValueError, match="H 24 and I 16 must be multiples of 16"):
-        moe_dense_pallas(x, idx, w, gate, up, down, interpret=True)
-    x, idx, w, gate, up, down = case(0, 4, 4, 32, 16)
-    with pytest.raises(ValueError, match="gate is float32, x is bfloat16"):
-        moe_dense_pallas(x.astype(jnp.bfloat16), idx, w, gate, up, down, interpret=True)
-    with pytest.raises(ValueError, match="block_i must be a power of two, got 24"):
-        DenseMoETiles(block_i=24)
-    with pytest.raises(ValueError, match=r"block_k must be >= 16 \(the Triton dot's smallest\), got 8"):
-        DenseMoETiles(block_k=8)
-
-
-@pytest.mark.clears_jax_caches
-def test_greedy_ddtree_equals_ar_with_the_dense_kernel(monkeypatch):
-    """The decode loop with "auto" taking the dense kernel (interpreted) in every verify: greedy
-    DDTree gives AR's tokens and the XLA path's acceptance."""
-    from ddtree_jax import compile_cache
-    from ddtree_jax.drafters import dflash
-    from ddtree_jax.generate import generate
-    from tests.conftest import random_target, tiny
-
-    cfg = tiny()
-    target = random_target(cfg, seed=2)
-    drafter = dflash.init_params(
-        dflash.drafter_config_for(cfg, num_hidden_layers=1, block_size=8), jax.random.PRNGKey(1)
-    )
-    prompts = [[5, 17, 33, 2, 9, 40, 41], [9]]
-    kw = dict(method="ddtree", tree_budget=5, max_new_tokens=8, numerics="fast")
-    ar = generate(target, None, prompts, max_new_tokens=8, numerics="fast").to_lists()
-    xla = generate(target, drafter, prompts, **kw)
-    calls = []
-    kernel = moe_api.dense.moe_dense_pallas
-    monkeypatch.setattr(
-        moe_api.dense, "moe_dense_pallas", lambda *a, **k: (calls.append(a[0].shape), kernel(*a, **k))[1]
-    )
-    monkeypatch.setattr(moe_api, "AUTO_DENSE_KERNEL", True)
-    compile_cache.clear()  # the switch is read when the loop is traced
-    try:
-        got = generate(target, drafter, prompts, **kw)
-    finally:
-        compile_cache.clear()  # no later test finds the kernel's program
-    assert (12, 64) in calls  # 2 rows x 6 tree slots, traced once per MoE layer
-    assert got.to_lists() == xla.to_lists() == ar
-    np.testing.assert_array_equal(got.accept_lengths, xla.accept_lengths)
-
-
-def test_dense_bench_smoke(capsys):
-    from ddtree_jax.pallas.moe import bench
-
-    bench.main(["--dense", "--smoke", "--reps", "1", "--shapes", "shipped_tree12"])
-    out = capsys.readouterr().out
-    assert "| shipped_tree12 | xla |" in out and "| shipped_tree12 | dense |" in out

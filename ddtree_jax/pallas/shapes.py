@@ -89,12 +89,6 @@ MOE_SHAPES: dict[str, MoEShape] = {
     "kimi_k2_ep8_top1_tree32": MoEShape(33, top_k=1),
     "kimi_k2_ep8_prefill8192": MoEShape(8192),
 }
-MOE_DENSE_SHAPES: dict[str, MoEShape] = {
-    # the shipped target's MoE layers (16 experts 384 -> 192, top-2) in a tree verify: budget + 1 tokens
-    "shipped_tree12": MoEShape(13, experts=16, top_k=2, hidden=384, inter=192),
-    "shipped_tree32": MoEShape(33, experts=16, top_k=2, hidden=384, inter=192),
-    "shipped_tree12_batch8": MoEShape(104, experts=16, top_k=2, hidden=384, inter=192),
-}
 DRAFTER_ATTENTION_SHAPES: dict[str, DrafterAttentionShape] = {
     # the shipped drafter (6 query heads, 1 KV head of 64, window 128) in the decode loop
     "shipped_ctx512": DrafterAttentionShape(1, 6, 1, 64, 512, 384, 128),

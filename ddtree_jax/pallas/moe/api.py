@@ -11,15 +11,9 @@ from jax.sharding import PartitionSpec
 
 from ddtree_jax import sharding
 from ddtree_jax.pallas import check_implementation, check_rank, mosaic_interpret, on_hopper
-from ddtree_jax.pallas.moe import dense
 from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
-from ddtree_jax.pallas.moe.reference import (
-    DENSE_MAX_TOKENS,
-    GATHER_MAX_PAIRS_PER_EXPERT,
-    moe_experts_xla,
-    moe_pairs_in_tiles,
-)
+from ddtree_jax.pallas.moe.reference import moe_experts_xla, moe_pairs_in_tiles
 from ddtree_jax.pallas.moe.w4a16 import check_w4a16, moe_experts_w4a16
 from ddtree_jax.quant import QuantizedArray, nbytes
 
@@ -32,33 +26,6 @@ layer's gate + up + down, INT4 ones as stored): where streaming the weights sets
 as on Kimi-K2's shapes where it was measured (docs/benchmarks.md). Smaller, launch-bound
 models (the shipped pair's experts are 1.5 MB a layer) keep the XLA path their figures were
 measured on."""
-
-
-AUTO_DENSE_KERNEL: bool | None = None
-"""Whether "auto" runs the XLA path's dense pass of a few tokens (`uses_dense_kernel`) as
-dense.py's Triton-lowered kernel. None: on a GPU; True: on any backend (the CPU interprets
-it); False: never (before / after runs: `--set ddtree_jax.pallas.moe.api.AUTO_DENSE_KERNEL=False`).
-Read when a program is traced."""
-
-DENSE_KERNEL_MAX_TOKENS = 64
-"""The most tokens "auto" gives the dense kernel (its rows are one block of up to this many)."""
-
-
-def uses_dense_kernel(tokens: int, top_k: int, gate, up, down, dtype) -> bool:
-    """Whether "auto" (resolved to the XLA path, no expert-parallel mesh) runs the routed
-    experts as dense.py's kernel: where the XLA path would run its dense pass (more pairs than
-    experts, at most `DENSE_MAX_TOKENS` tokens) for at most `DENSE_KERNEL_MAX_TOKENS` tokens, on
-    dense weights of the activations' dtype (the decode loop's, `model.hoist_layers`) whose
-    widths the kernel tiles, and where `AUTO_DENSE_KERNEL` allows."""
-    on = jax.default_backend() == "gpu" if AUTO_DENSE_KERNEL is None else AUTO_DENSE_KERNEL
-    e, h, i = gate.shape[-3:]
-    return (
-        on
-        and all(not isinstance(a, QuantizedArray) and a.dtype == dtype for a in (gate, up, down))
-        and dense.takes(h, i)
-        and GATHER_MAX_PAIRS_PER_EXPERT * e < tokens * top_k
-        and tokens <= min(DENSE_MAX_TOKENS, DENSE_KERNEL_MAX_TOKENS)
-    )
 
 
 def _mosaic_takes(gate, up, down, activations=jnp.bfloat16) -> bool:
@@ -123,10 +90,8 @@ def moe_experts(
         (the grouped Triton-style kernel in kernel.py), "mosaic" (the Mosaic GPU kernels:
         mosaic.py for dense weights, H and I multiples of its tiles; w4a16.py for INT4 ones,
         bf16 activations) or "auto" ("mosaic" on a Hopper GPU for experts a kernel tiles, of
-        `AUTO_MIN_BYTES` or more, else "xla": see `_mosaic_takes`; where "xla" would run its
-        dense pass of a few tokens, dense.py's kernel instead: `uses_dense_kernel`). The kernels
-        run in interpret mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose
-        rules split the "experts" axis, each runs expert-parallel, one shard of experts per device.
+        `AUTO_MIN_BYTES` or more, else "xla": see `_mosaic_takes`). The kernels run in interpret mode on a CPU backend. Under a mesh context (`sharding.use_mesh`) whose rules
+        split the "experts" axis, each runs expert-parallel, one shard of experts per device.
 
     Returns:
       [T, H] in x's dtype.
@@ -137,7 +102,6 @@ def moe_experts(
         raise ValueError(
             f"moe_experts: gate of shape {gate.shape} with layer={layer}: [E, H, I] without a layer, [L, E, H, I] with one"
         )
-    requested = implementation
     implementation = resolve(implementation, gate, up, down, x.dtype, stacked=layer is not None)
     int4 = isinstance(gate, QuantizedArray)
     if int4 and implementation == "pallas":
@@ -161,11 +125,6 @@ def moe_experts(
     chex.assert_type(idx, jnp.int32)
     if t * k == 0:  # no pairs: the kernels' grids would be empty (the interpreter failed on them)
         return jnp.zeros_like(x)
-    spec = sharding.kernel_spec(("experts", None, None), gate.shape[-3:])
-    axis = None if spec is None else spec[0]
-    auto_xla = requested == "auto" and implementation == "xla" and axis is None
-    if auto_xla and uses_dense_kernel(t, k, gate, up, down, x.dtype):
-        return dense.moe_dense_pallas(x, idx, w, gate, up, down, interpret=jax.default_backend() != "gpu")
     if implementation == "pallas":
         kernel = functools.partial(moe_experts_pallas, interpret=jax.default_backend() == "cpu")
         dropped = -1
@@ -174,6 +133,8 @@ def moe_experts(
         kernel, dropped = functools.partial(mosaic, interpret=mosaic_interpret()), -1
     else:
         kernel, dropped = moe_experts_xla, None  # None: one past the local experts (sorts last, no group)
+    spec = sharding.kernel_spec(("experts", None, None), gate.shape[-3:])
+    axis = None if spec is None else spec[0]
     if axis is None:  # no mesh, experts not split by its rules, or E not divisible: one call
         return kernel(x, idx, w, gate, up, down, **({} if layer is None else {"layer": layer}))
     # Expert parallel by hand: left to GSPMD, the XLA path's weight gather and grouped

@@ -4,13 +4,6 @@
     python -m ddtree_jax.pallas.moe.bench --smoke         # CPU: shrunken shapes, interpret mode
     python -m ddtree_jax.pallas.moe.bench --impl mosaic --mosaic-tiles 128,64,4 128,64,4,2
                                                           # GPU: the Mosaic schedules side by side
-    python -m ddtree_jax.pallas.moe.bench --dense --dense-tiles 64,128,4,2 32,128,4,2
-                                                          # GPU: the few-token dense pass (dense.py)
-
-With --dense the shapes are MOE_DENSE_SHAPES (the shipped target's verify) and every expert
-runs on every token, as `reference._moe_dense_flat` (the XLA path there) does: FLOPs count that
-dense work, bytes every expert's weights. A kernel output off the XLA path's by more than
-`DENSE_TOLERANCE` of its largest magnitude fails the run.
 
 Shapes: `pallas/shapes.py` (MOE_SHAPES), bf16: the 48 local experts of one GPU of an
 8-way expert-parallel split of Kimi-K2's 384 (4.2 GB of weights), and each token's 8 experts are
@@ -34,11 +27,10 @@ import jax.numpy as jnp
 
 from ddtree_jax.pallas import mosaic_interpret
 from ddtree_jax.pallas.bench_util import device_time, table_row
-from ddtree_jax.pallas.moe.dense import DenseMoETiles, moe_dense_pallas
 from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
-from ddtree_jax.pallas.shapes import MOE_DENSE_SHAPES, MOE_SHAPES, MoEShape
+from ddtree_jax.pallas.shapes import MOE_SHAPES, MoEShape
 from ddtree_jax.quant import Int4
 
 
@@ -71,49 +63,10 @@ def int4_bytes(shape: MoEShape, used: int) -> int:
     return cost(shape, used)[1] - 2 * weights + weights * 9 // 16
 
 
-DENSE_TOLERANCE = 3e-2
-"""--dense: largest max-abs error allowed, relative to the XLA output's largest magnitude (bf16 rounding)."""
-
-
-def dense_main(args) -> None:
-    """The few-token dense pass: XLA (`moe_experts_xla`, its dense branch) against dense.py's kernel."""
-    xla = jax.jit(moe_experts_xla)
-    print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    bad = []
-    for name in args.shapes or list(MOE_DENSE_SHAPES):
-        shape = MOE_DENSE_SHAPES[name]
-        t, h, i, e = shape.tokens, shape.hidden, shape.inter, shape.experts
-        x = inputs(shape, jax.random.PRNGKey(0))
-        flops, nbytes = 2 * t * e * 3 * h * i, 2 * (e * 3 * h * i + 2 * t * h)
-        want = xla(*x).astype(jnp.float32)
-        scale = float(jnp.max(jnp.abs(want)))
-        runs = [("xla", xla)]
-        for spec in args.dense_tiles:
-            dt = DenseMoETiles(*(int(v) for v in spec.split(",")))
-            label = "dense" if len(args.dense_tiles) == 1 else f"dense {spec}"
-            runs.append((label, jax.jit(lambda *a, dt=dt: moe_dense_pallas(*a, tiles=dt, interpret=args.smoke))))
-        for impl, fn in runs:
-            try:
-                err = float(jnp.max(jnp.abs(fn(*x).astype(jnp.float32) - want)))
-                sec, timer = device_time(fn, x, args.reps)
-            except Exception as fault:  # a tile config the compiler rejects: report it, go on, fail at the end
-                why = f"{type(fault).__name__}: {str(fault).splitlines()[0][:120]}"
-                print(f"| {name} | {impl} | failed: {why} |")
-                bad.append(f"{name} {impl}: {why}")
-                continue
-            if err > DENSE_TOLERANCE * scale:
-                bad.append(f"{name} {impl}: max abs err {err:.3g} against {scale:.3g}")
-            print(table_row(name, impl, sec, timer, flops, nbytes, err, digits=(4, 2)))
-    if bad:
-        raise SystemExit("kernel failed or differs from the XLA path:\n" + "\n".join(bad))
-
-
 def main(argv=None):
     d = MoETiles()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=None, choices=[*MOE_SHAPES, *MOE_DENSE_SHAPES])
+    ap.add_argument("--shapes", nargs="+", default=list(MOE_SHAPES), choices=list(MOE_SHAPES))
     ap.add_argument(
         "--impl", nargs="+", default=["xla", "pallas", "mosaic"], choices=["xla", "pallas", "mosaic", "xla-int4"]
     )
@@ -133,17 +86,7 @@ def main(argv=None):
         "program; 1 or 2: warp specialized)",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
-    ap.add_argument("--dense", action="store_true", help="the few-token dense pass (MOE_DENSE_SHAPES), see above")
-    dd = DenseMoETiles()
-    ap.add_argument(
-        "--dense-tiles",
-        nargs="+",
-        default=[f"{dd.block_i},{dd.block_k},{dd.num_warps},{dd.num_stages}"],
-        help="with --dense: tiles to try, each block_i,block_k,num_warps,num_stages",
-    )
     args = ap.parse_args(argv)
-    if args.dense:
-        return dense_main(args)
     int4 = Int4(32)
     tiles = MoETiles(args.block_m, args.block_i, args.block_h, args.block_k, args.num_warps, args.num_stages)
     print(f"device: {jax.devices()[0].device_kind}; pallas {tiles}")
@@ -152,7 +95,7 @@ def main(argv=None):
     xla = jax.jit(moe_experts_xla)
     pallas = jax.jit(lambda *a: moe_experts_pallas(*a, tiles=tiles, interpret=args.smoke))
     interpret = mosaic_interpret() if args.smoke else None
-    for name in args.shapes or list(MOE_SHAPES):
+    for name in args.shapes:
         shape = MOE_SHAPES[name].shrink() if args.smoke else MOE_SHAPES[name]
         h, i = shape.hidden, shape.inter
         x = inputs(shape, jax.random.PRNGKey(0))

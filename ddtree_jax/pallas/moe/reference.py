@@ -39,7 +39,10 @@ DENSE_FLAT = True
 """The dense pass as GEMMs over every expert's columns, the expert sum inside the last one
 (`_moe_dense_flat`), instead of the reference's batched GEMMs per expert and its separate
 weighted combine. H100, shipped pair: a DDTree(32) round 2.5% cheaper, budget 12 unchanged
-(docs/benchmarks.md, forty-fourth session)."""
+(docs/benchmarks.md, forty-fourth session). The same pass as one Triton-lowered kernel (a
+program per expert and block of its columns, float32 partials summed after; commit 27ce913) was
+slower on an H100: 13.0 us against this path's 10.0 at 13 tokens, 18.2 against 12.2 at 33
+(fiftieth session)."""
 INT4_EXPERT_CHUNK = 8
 """INT4 experts the grouped XLA path dequantizes at a time, in a scan over chunks..."""
 INT4_DEQUANT_ALL_BYTES = 64 * 2**20
@@ -51,7 +54,7 @@ def _dense(a, dtype):
     return a.dequantize(dtype) if isinstance(a, QuantizedArray) else a
 
 
-def routing(idx: jax.Array, w: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+def _routing(idx: jax.Array, w: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(comb, chosen), both [T, E]: float32 with w[t, k] at column idx[t, k], and whether token
     t chose expert e. Ids outside [0, E) choose nothing."""
     hit = idx[:, :, None] == jnp.arange(num_experts)  # [T, K, E]
@@ -66,7 +69,7 @@ def moe_experts_reference(x, idx, w, gate, up, down):
     h_up = einsum("th,ehi->eti", x, up).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(x.dtype)
     y = einsum("eti,eih->eth", act, down).astype(x.dtype)
-    comb, chosen = routing(idx, w, gate.shape[0])  # [T, E]
+    comb, chosen = _routing(idx, w, gate.shape[0])  # [T, E]
     # An expert no token chose adds nothing, even where its weights (and so y) are not finite.
     y = jnp.where(chosen.T[..., None], y, 0)
     return jnp.sum(comb.T[..., None] * y.astype(f32), axis=0).astype(x.dtype)
@@ -82,7 +85,7 @@ def _moe_dense_flat(x, idx, w, gate, up, down):
     `down` weights still make every token's output non-finite (the loaders refuse them)."""
     e = gate.shape[0]
     gate, up, down = (_dense(a, x.dtype) for a in (gate, up, down))
-    comb, chosen = routing(idx, w, e)  # [T, E]
+    comb, chosen = _routing(idx, w, e)  # [T, E]
     h_gate = einsum("th,ehi->tei", x, gate).astype(x.dtype)
     h_up = einsum("th,ehi->tei", x, up).astype(x.dtype)
     act = (jax.nn.silu(h_gate) * h_up).astype(jnp.float32) * comb[:, :, None]
