@@ -9,6 +9,7 @@ names the real shapes that bench and tests share.
 """
 
 import jax
+from jax.experimental import pallas as pl
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic")
 """What a user picks (`generate(implementation=...)`); an op may have more (mla_attention's "exact").
@@ -63,6 +64,24 @@ def check_tiles(**tiles: int) -> None:
     for name, size in tiles.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two, got {size!r}")
+
+
+TRITON_MIN_DOT = 16
+"""The smallest dot the Triton lowering takes, in each of its dimensions."""
+
+
+def dot_rows(n: int) -> int:
+    """n rounded up to a power of two >= `TRITON_MIN_DOT`: the rows a Triton-lowered kernel pads
+    a small operand (a block's tokens, a call's rows) to."""
+    return max(TRITON_MIN_DOT, pl.next_power_of_2(n))
+
+
+def check_dot_tiles(**tiles: int) -> None:
+    """`check_tiles`, and each at least `TRITON_MIN_DOT` (a tile that is a dot's dimension)."""
+    check_tiles(**tiles)
+    for name, size in tiles.items():
+        if size < TRITON_MIN_DOT:
+            raise ValueError(f"{name} must be >= {TRITON_MIN_DOT} (the Triton dot's smallest), got {size}")
 
 
 def check_compiler(num_warps: int, num_stages: int) -> None:

@@ -9,14 +9,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation, check_rank
+from ddtree_jax.pallas import check_implementation, check_rank, dot_rows
 from ddtree_jax.pallas.drafter_attention.kernel import (
     SPLIT_MIN_SLOTS,
     SPLIT_PROGRAMS,
     DrafterAttentionTiles,
     drafter_attention_pallas,
     num_splits,
-    padded_tokens,
     takes,
 )
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
@@ -69,7 +68,7 @@ def head_group(group: int, tokens: int, kv_slots: int | None = None) -> int:
     `kv_slots` (reach x batch x KV heads; None: any) is at least `GROUP_MIN_SLOTS`."""
     if not GROUP_HEADS or (kv_slots is not None and kv_slots < GROUP_MIN_SLOTS):
         return 1
-    tp = padded_tokens(tokens)
+    tp = dot_rows(tokens)
     hg = 1
     while group % (2 * hg) == 0 and 2 * hg * tp <= MAX_GROUP_ROWS:
         hg *= 2

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.pallas import check_compiler, check_tiles, partials
+from ddtree_jax.pallas import check_compiler, check_dot_tiles, dot_rows, partials
 
 MASK_VALUE = -1e30
 """Finite, so that exp(MASK_VALUE - max) underflows to 0 instead of giving NaN."""
@@ -73,9 +73,7 @@ class DrafterAttentionTiles:
     head_group: int = 1
 
     def __post_init__(self):
-        check_tiles(block_k=self.block_k)
-        if self.block_k < 16:
-            raise ValueError(f"block_k must be >= 16 (the Triton dot's smallest), got {self.block_k}")
+        check_dot_tiles(block_k=self.block_k)
         if not isinstance(self.head_group, int) or self.head_group < 1 or self.head_group & (self.head_group - 1):
             raise ValueError(f"head_group must be a power of two >= 1, got {self.head_group!r}")
         check_compiler(self.num_warps, self.num_stages)
@@ -85,11 +83,6 @@ def takes(q: jax.Array, k_ctx: jax.Array) -> bool:
     """Whether the kernel tiles these operands: head dim a power of two >= 16, a cache of >= 16 slots."""
     hd = q.shape[-1]
     return hd >= 16 and hd & (hd - 1) == 0 and k_ctx.shape[1] >= 16
-
-
-def padded_tokens(tokens: int) -> int:
-    """Tp: the block's tokens rounded up to a power of two >= 16 (the Triton lowering's smallest dot)."""
-    return max(16, pl.next_power_of_2(tokens))
 
 
 def num_splits(reach: int, batch: int, heads: int, programs: int = SPLIT_PROGRAMS) -> int:
@@ -187,7 +180,7 @@ def drafter_attention_pallas(
     hg = tiles.head_group
     if group % hg:
         raise ValueError(f"head_group {hg} must divide the {group} query heads of each key / value head")
-    tp = padded_tokens(t)
+    tp = dot_rows(t)
     bk = min(tiles.block_k, 1 << (s_cap.bit_length() - 1))  # a power of two <= S
     if tp != t:  # padded rows are sliced off; padded block keys are masked (u < T)
         pad = [(0, 0), (0, tp - t), (0, 0), (0, 0)]

@@ -64,10 +64,6 @@ def uses_kernel(implementation: str, hidden: int, head_dim: int) -> bool:
     return implementation == "auto" and AUTO_KERNEL and jax.default_backend() == "gpu" and hidden <= AUTO_MAX_HIDDEN
 
 
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
-
-
 def drafter_qkv(
     x: jax.Array,  # [B, T, H]
     layer,  # DrafterLayerParams of one layer
@@ -109,6 +105,6 @@ def drafter_qkv(
         nq=nq,
         eps=eps,
         tiles=tiles or DrafterLayerTiles(),
-        interpret=_interpret(),
+        interpret=jax.default_backend() != "gpu",
     )
     return q.reshape(b, t, nq, hd), k.reshape(b, t, -1, hd), v.reshape(b, t, -1, hd)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ddtree_jax.pallas import check_compiler, check_tiles
+from ddtree_jax.pallas import check_compiler, check_dot_tiles, dot_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +49,7 @@ class DrafterLayerTiles:
     num_stages: int = 2
 
     def __post_init__(self):
-        check_tiles(block_k=self.block_k, block_rows=self.block_rows)
-        for name in ("block_k", "block_rows"):
-            if getattr(self, name) < 16:
-                raise ValueError(f"{name} must be >= 16 (the Triton dot's smallest), got {getattr(self, name)}")
+        check_dot_tiles(block_k=self.block_k, block_rows=self.block_rows)
         check_compiler(self.num_warps, self.num_stages)
 
 
@@ -66,11 +63,6 @@ def _divisor_block(size: int, block: int) -> int:
     while size % block:
         block //= 2
     return block
-
-
-def padded_rows(rows: int) -> int:
-    """Mp: rows rounded up to a power of two >= 16."""
-    return max(16, pl.next_power_of_2(rows))
 
 
 def _inv_rms(ms, eps):
@@ -145,7 +137,7 @@ def qkv_pallas(
         raise ValueError(f"joined weights of {nh} heads do not split as {nq} query heads + 2 x key / value heads")
     if not takes(hidden, hd):
         raise ValueError(f"qkv_pallas: hidden {hidden} must be a multiple of 16 and head dim {hd} a power of two >= 32")
-    mp = padded_rows(m)
+    mp = dot_rows(m)
     bm = min(mp, tiles.block_rows)
     if mp != m:  # padded rows are zeros: finite, sliced off
         x, cos, sin = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in (x, cos, sin))
