@@ -51,7 +51,7 @@ from ddtree_jax.pallas.moe import moe_experts
 from ddtree_jax.pallas.moe.api import moe_pairs
 from ddtree_jax.pallas.moe.api import resolve as resolve_moe
 from ddtree_jax.pallas.moe.reference import moe_experts_reference, weighted_sum
-from ddtree_jax.quant import Int4, Int4Matrix, QuantizedArray
+from ddtree_jax.quant import Int4, QuantizedArray
 from ddtree_jax.weights import HFTensor, Weight, identity, transpose
 
 # A scan is a device loop: on the GPU each iteration pays its own launches and a host
@@ -420,13 +420,6 @@ def _unrolled(numerics: str, n_layers: int, routed_path: str | None) -> bool:
 HOIST_MAX_BYTES = 1 << 30
 """`hoist_layers` prepares a layer stack of at most this many bytes (as prepared)."""
 
-HOIST_INT4_DEQUANT = True
-"""Whether `hoist_layers` dequantizes the XLA path's INT4 routed experts once, before the loop
-(True), or keeps them INT4 as `quant.Int4Matrix` (False), dequantized in the program where a
-round uses them: 4 bits a weight to read (the shipped pair's 49 MB of bf16 experts, more than
-an H100's L2 cache, become 12 MB) if XLA fuses the dequantization into its GEMMs, an extra
-write and read of every expert if it does not."""
-
 HOIST_SHARED_OUT_MAJOR: bool | None = None
 """Whether `hoist_layers` holds the shared experts' gate and up as [I, H] (`layers.OutMajor`);
 None: on a GPU. XLA merges them with the dense routed pass of a verify into one GEMM that reads
@@ -478,8 +471,7 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
         size = sum(np.prod(a.shape) * (params.dtype.itemsize if int4(a) else a.dtype.itemsize) for a in leaves)
         if size > HOIST_MAX_BYTES:
             return stack
-        held = (lambda a: a.dequantize(params.dtype)) if HOIST_INT4_DEQUANT else Int4Matrix.of
-        dense = jax.tree.map(lambda a: held(a) if int4(a) else a, stack, is_leaf=int4)
+        dense = jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4)
         if not _unrolled(numerics, layer_count(stack), path):
             return dense
         layers = unstack(dense)

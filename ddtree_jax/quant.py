@@ -86,48 +86,6 @@ class QuantizedArray:
         return jnp.swapaxes(w, -1, -2).reshape(self.shape).astype(dtype)
 
 
-@struct.dataclass
-class Int4Matrix:
-    """An INT4 weight laid out as the matrix it stands for: `values` [..., In, Out] int4 and
-    `scale` [..., In / G, Out], the numbers of a `QuantizedArray` (`of`) without its group-minor
-    layout. Dequantizing is then a convert and a broadcast multiply over the weight as a GEMM
-    reads it, with no transpose, which XLA may fuse into the GEMM's operand load (4 bits a weight
-    read instead of 16); the grouped layout needs a transpose first. Only the XLA path takes it."""
-
-    values: jax.Array
-    scale: jax.Array
-
-    @classmethod
-    def of(cls, a: QuantizedArray) -> Int4Matrix:
-        """The same INT4 weight re-laid out (exact: int4 values and scales unchanged)."""
-        return cls(values=jnp.swapaxes(a.packed, -1, -2).reshape(a.shape), scale=a.scale)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The dequantized weight's shape [..., In, Out]."""
-        return tuple(self.values.shape)
-
-    @property
-    def dtype(self):
-        """int4: what the weight is stored as (not a float dtype the kernels take)."""
-        return self.values.dtype
-
-    @property
-    def group_size(self) -> int:
-        return self.values.shape[-2] // self.scale.shape[-2]
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """W [..., In, Out] = q * scale of its group, in `dtype` (the values `QuantizedArray`'s gives)."""
-        *lead, fan_in, fan_out = self.shape
-        q = self.values.reshape(*lead, fan_in // self.group_size, self.group_size, fan_out)
-        w = q.astype(jnp.float32) * self.scale.astype(jnp.float32)[..., None, :]  # [..., In/G, G, Out]
-        return w.reshape(self.shape).astype(dtype)
-
-
-INT4_TYPES = (QuantizedArray, Int4Matrix)
-"""The INT4 weight layouts: `isinstance(a, INT4_TYPES)`."""
-
-
 def to_words(packed: np.ndarray) -> np.ndarray:
     """Grouped int4 [..., In / G, Out, G] -> the checkpoint's int32 words [..., Out, In / 8]
     (element 8k + j of a row in bits 4j .. 4j+3 of word k, as q + 8)."""

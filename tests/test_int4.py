@@ -14,7 +14,6 @@ import safetensors.numpy
 import ddtree_jax as dj
 from ddtree_jax import checkpoint, compressed, model, quant
 from ddtree_jax.config import ConfigError
-from ddtree_jax.drafters import OracleDrafter
 from ddtree_jax.hf import CheckpointError
 from ddtree_jax.pallas.moe.reference import moe_experts_reference, moe_experts_xla
 from tests.conftest import HERE, hf_python, random_target, rewrite, same, tiny
@@ -187,50 +186,6 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     monkeypatch.setattr(model, "resolve_moe", lambda *a, **k: "mosaic")
     assert int4(model.hoist_layers(quantized, "fast").moe_layers)
     assert not int4(model.hoist_layers(quantized, "exact").moe_layers)
-
-
-def test_int4_matrix_is_the_same_weight(quantized, monkeypatch):
-    """`quant.Int4Matrix` (the INT4 experts re-laid out [In, Out], what `hoist_layers` holds with
-    HOIST_INT4_DEQUANT off) dequantizes to the grouped layout's values, runs every XLA path to
-    the same bits, and a greedy DDTree decode with it gives AR's tokens; the kernels refuse it."""
-    from ddtree_jax.pallas.moe import moe_experts, reference
-
-    grouped = quantized.moe_layers.mlp.gate  # [L, E, H, I] stacked layers
-    matrix = quant.Int4Matrix.of(grouped)
-    assert matrix.shape == grouped.shape and matrix.values.dtype == jnp.int4 and matrix.group_size == 32
-    np.testing.assert_array_equal(matrix.dequantize(jnp.float32), grouped.dequantize(jnp.float32))
-    layer = [
-        (lambda a: jax.tree.map(lambda v: v[0], a))(getattr(quantized.moe_layers.mlp, n))
-        for n in ("gate", "up", "down")
-    ]
-    as_matrix = [quant.Int4Matrix.of(a) for a in layer]
-    cfg = quantized.config
-    e, k, rng = cfg.n_routed_experts, cfg.num_experts_per_tok, np.random.default_rng(4)
-    for t, dense_max in ((1, 128), (9, 128), (9, 0)):  # gather, dense pass, grouped GEMM
-        monkeypatch.setattr(reference, "DENSE_MAX_TOKENS", dense_max)
-        x = jnp.asarray(rng.normal(size=(t, cfg.hidden_size)), jnp.float32)
-        idx = jnp.asarray(np.argsort(rng.uniform(size=(t, e)), axis=1)[:, :k], jnp.int32)
-        w = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
-        np.testing.assert_array_equal(moe_experts_xla(x, idx, w, *as_matrix), moe_experts_xla(x, idx, w, *layer))
-    with pytest.raises(ValueError, match=r"Int4Matrix.*'xla' only"):
-        moe_experts(x, idx, w, *as_matrix, implementation="mosaic")
-    monkeypatch.setattr(model, "HOIST_INT4_DEQUANT", False)
-    tokens = jnp.asarray([[5, 17, 33, 2, 9, 250, 1, 7, 7]], jnp.int32)
-    positions = jnp.arange(9, dtype=jnp.int32)[None]
-    cache, mask = model.KVCache.init(cfg, 1, 16), jnp.tril(jnp.ones((1, 9, 9), bool))
-    for numerics in ("fast", "exact"):
-        hoisted = model.hoist_layers(quantized, numerics).moe_layers
-        gate = hoisted.layers[0].mlp.gate if numerics == "fast" else hoisted.mlp.gate
-        assert isinstance(gate, quant.Int4Matrix)
-        run = jax.jit(lambda p, n=numerics: model.forward(p, tokens, positions, cache, mask, numerics=n))
-        for a, b in zip(
-            jax.tree.leaves(run(quantized)), jax.tree.leaves(run(quantized.replace(moe_layers=hoisted))), strict=True
-        ):
-            np.testing.assert_array_equal(a, b)
-    kw = dict(max_new_tokens=12, stop_token_ids=())
-    ar = dj.generate(quantized, PROMPTS, **kw).to_lists()
-    drafter = OracleDrafter(block_size=4, confidence=3.0, noise=2.0)
-    assert dj.generate(quantized, drafter, PROMPTS, method="ddtree", tree_budget=6, **kw).to_lists() == ar
 
 
 def test_forward_looped_over_layers_equals_unrolled(quantized):

@@ -15,7 +15,7 @@ from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla, moe_pairs_in_tiles
 from ddtree_jax.pallas.moe.w4a16 import check_w4a16, moe_experts_w4a16
-from ddtree_jax.quant import INT4_TYPES, Int4Matrix, QuantizedArray, nbytes
+from ddtree_jax.quant import QuantizedArray, nbytes
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 
@@ -82,7 +82,7 @@ def moe_experts(
       idx: the K experts chosen for each token.
       w: their routing weights (already normalised and scaled).
       gate, up, down: stacked expert weights, [in, out] per expert, dense or INT4
-        (`quant.QuantizedArray`, not on "pallas"; `quant.Int4Matrix` on "xla" only); with `layer`, stacks of layers [L, E, ...].
+        (`quant.QuantizedArray`; not "pallas"); with `layer`, stacks of layers [L, E, ...].
       layer: None, or an int32 scalar that picks one layer of the [L, E, ...] stacks. The
         Mosaic kernels read that layer's experts in place; handed the slice instead, XLA
         copies it into a buffer of its own before the call (experiments/moe_layer_stack.py).
@@ -103,9 +103,7 @@ def moe_experts(
             f"moe_experts: gate of shape {gate.shape} with layer={layer}: [E, H, I] without a layer, [L, E, H, I] with one"
         )
     implementation = resolve(implementation, gate, up, down, x.dtype, stacked=layer is not None)
-    int4 = isinstance(gate, INT4_TYPES)
-    if isinstance(gate, Int4Matrix) and implementation != "xla":
-        raise ValueError(f"moe_experts: INT4 experts as `quant.Int4Matrix` run on 'xla' only, not {implementation!r}")
+    int4 = isinstance(gate, QuantizedArray)
     if int4 and implementation == "pallas":
         raise NotImplementedError(
             "moe_experts: INT4 experts run with implementation='xla', 'mosaic' or 'auto', not 'pallas' "

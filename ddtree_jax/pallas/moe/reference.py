@@ -11,7 +11,7 @@ when few (token, expert) pairs are live (decode), the reference's dense pass for
 `DENSE_MAX_TOKENS` tokens (tree verify), and a sort + `jax.lax.ragged_dot` grouped GEMM,
 doing only the routed work, beyond (prefill).
 
-INT4 experts (`quant.INT4_TYPES`) are dequantized to x's dtype where they are
+INT4 experts (`quant.QuantizedArray`) are dequantized to x's dtype where they are
 used: the reference dequantizes all of them; the XLA path only the gathered
 experts (decode), or for the grouped GEMM the whole stack when it is small
 (`INT4_DEQUANT_ALL_BYTES`), else `INT4_EXPERT_CHUNK` experts at a time.
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.layers import einsum
-from ddtree_jax.quant import INT4_TYPES
+from ddtree_jax.quant import QuantizedArray
 
 GATHER_MAX_PAIRS_PER_EXPERT = 1
 """Use the weight gather when T * K <= this * E: it then streams no more weight than a dense pass."""
@@ -51,7 +51,7 @@ grouped GEMM with no loop (a loop costs a launch-bound model a host round trip p
 
 
 def _dense(a, dtype):
-    return a.dequantize(dtype) if isinstance(a, INT4_TYPES) else a
+    return a.dequantize(dtype) if isinstance(a, QuantizedArray) else a
 
 
 def _routing(idx: jax.Array, w: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -94,9 +94,9 @@ def _moe_dense_flat(x, idx, w, gate, up, down):
 
 
 def _take(a, idx, dtype):
-    """a[idx] of an expert stack; INT4 experts are gathered as stored, then dequantized."""
-    if isinstance(a, INT4_TYPES):
-        return jax.tree.map(lambda v: v[idx], a).dequantize(dtype)
+    """a[idx] of an expert stack; INT4 experts are gathered packed, then dequantized."""
+    if isinstance(a, QuantizedArray):
+        return QuantizedArray(packed=a.packed[idx], scale=a.scale[idx]).dequantize(dtype)
     return a[idx]
 
 
@@ -197,7 +197,7 @@ def moe_experts_xla(x, idx, w, gate, up, down):
         return _moe_gather(x, idx, w, gate, up, down)
     if t <= DENSE_MAX_TOKENS:
         return (_moe_dense_flat if DENSE_FLAT else moe_experts_reference)(x, idx, w, gate, up, down)
-    if isinstance(gate, INT4_TYPES):
+    if isinstance(gate, QuantizedArray):
         return _moe_ragged_int4(x, idx, w, gate, up, down)
     return _moe_ragged(x, idx, w, gate, up, down)
 
