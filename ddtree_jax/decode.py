@@ -38,14 +38,15 @@ def build_tree(
     roots: jax.Array,
     budget: int,
     tree_temperature: float | jax.Array = 1.0,
+    implementation: str = "auto",
 ) -> trees.DraftTree:
     """The round's tree: root only ("ar"), argmax chain ("dflash") or best tree ("ddtree",
-    from the drafter's logits divided by `tree_temperature`)."""
+    from the drafter's logits divided by `tree_temperature`; `implementation`: its top-K's)."""
     if method == "ar":
         return trees.root_only(roots)
     if method == "dflash":
         return trees.build_chain(draft_logits, roots)
-    return trees.build_ddtree(draft_logits, roots, budget, temperature=tree_temperature)
+    return trees.build_ddtree(draft_logits, roots, budget, temperature=tree_temperature, implementation=implementation)
 
 
 def verify(
@@ -210,7 +211,7 @@ def step(
             draft_logits = drafter.propose(draft_state, target, cache, roots, draft_key)
         draft_nonfinite = active & ~jnp.all(jnp.isfinite(draft_logits), axis=(1, 2))
     with jax.named_scope("build_tree"):
-        tree = build_tree(method, draft_logits, roots, budget, tree_temperature)
+        tree = build_tree(method, draft_logits, roots, budget, tree_temperature, implementation)
     taps = drafter.tap_layers if drafter is not None else ()
     normed = drafter.tap_final_norm if drafter is not None else True
     out = verify(

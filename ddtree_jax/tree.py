@@ -37,7 +37,8 @@ import numpy as np
 from flax import struct
 
 from ddtree_jax import topk
-from ddtree_jax.sampling import check_float32_positive, scaled_logits
+from ddtree_jax.pallas.draft_topk import api as draft_topk
+from ddtree_jax.sampling import check_float32_positive
 
 MAX_BUDGET = 1024
 TOP_K_CHUNK = 256
@@ -343,6 +344,7 @@ def build_ddtree(
     *,
     method: str = "auto",
     temperature: float | jax.Array = 1.0,
+    implementation: str = "auto",
 ) -> DraftTree:
     """DDTree's best tree of `budget` nodes from per-depth drafter logits.
 
@@ -356,6 +358,8 @@ def build_ddtree(
         drafter's distributions as they are; below 1 sharper). It shapes the tree only:
         which tokens are accepted is the target's choice either way. A float32 scalar
         array is taken as it is (traced: one program for every value; `generate` checks it).
+      implementation: the per-depth log-softmax top-K's (`pallas.draft_topk`: "auto" takes its
+        kernel on a GPU for K <= 16, "xla" the chunked `top_k` here).
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -375,11 +379,11 @@ def build_ddtree(
     if method == "enumerate" and paths is None:
         raise ValueError(f"budget {budget} at depth {d} has more than {MAX_ENUMERATED_PATHS} eligible paths")
     with jax.named_scope("build_tree"):
-        scaled = draft_logits.astype(jnp.float32)
-        if traced or temperature != 1.0:
-            scaled = scaled_logits(scaled, temperature)
-        logp = jax.nn.log_softmax(scaled, axis=-1)
-        top_lp, top_tok = top_k(logp, k)  # [B, D, K], ranks sorted descending
+        scale = jnp.asarray(temperature, jnp.float32) if traced or temperature != 1.0 else None
+        if draft_topk.uses_kernel(implementation, v, k):
+            top_lp, top_tok = draft_topk.log_softmax_top_k(draft_logits, k, scale, implementation=implementation)
+        else:  # [B, D, K], ranks sorted descending
+            top_lp, top_tok = top_k(draft_topk.log_probs(draft_logits, scale), k)
         if paths is not None:
             return _build_enumerated(top_lp, top_tok, roots, budget, paths)
         return _build_beam(top_lp, top_tok, roots, budget)

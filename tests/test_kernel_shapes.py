@@ -25,7 +25,13 @@ from ddtree_jax.pallas.moe.kernel import moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_reference
 from ddtree_jax.pallas.moe.w4a16 import W4A16Tiles, moe_experts_w4a16
-from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DRAFTER_LAYER_SHAPES, MLA_SHAPES, MOE_SHAPES
+from ddtree_jax.pallas.shapes import (
+    DRAFT_TOPK_SHAPES,
+    DRAFTER_ATTENTION_SHAPES,
+    DRAFTER_LAYER_SHAPES,
+    MLA_SHAPES,
+    MOE_SHAPES,
+)
 from ddtree_jax.quant import Int4
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -248,3 +254,32 @@ def test_drafter_layer_kernel_lowers_for_the_gpu(name):
     fn = functools.partial(qkv_pallas, nq=s.heads, eps=1e-6)
     text = _triton_lowered_for_cuda(fn, rows, norm, w, head_norm, table, table)
     assert "xla.gpu.triton" in text and f"grid_x = {nh} : i32" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(DRAFT_TOPK_SHAPES))
+def test_draft_topk_kernel_on_named_shapes(name):
+    """The drafter's log-softmax top-K kernel on the bench's logits (exact ties) against the
+    float32 reference: the same ids, the values within float32 rounding."""
+    from ddtree_jax.pallas.draft_topk import api
+    from ddtree_jax.pallas.draft_topk import bench as topk_bench
+    from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
+
+    shape = DRAFT_TOPK_SHAPES[name] if ON_GPU else DRAFT_TOPK_SHAPES[name].shrink()
+    x, t = topk_bench.logits(shape, jax.random.PRNGKey(0)), jnp.float32(0.8)
+    got = jax.jit(lambda x, t: api.log_softmax_top_k(x, shape.k, t, implementation="pallas"))(x, t)
+    want = log_softmax_top_k_reference(x, shape.k, t)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(DRAFT_TOPK_SHAPES))
+def test_draft_topk_kernel_lowers_for_the_gpu(name):
+    """The drafter's top-K kernel at full size to Triton IR, a program a row."""
+    from ddtree_jax.pallas.draft_topk.kernel import log_softmax_top_k_pallas
+
+    s = DRAFT_TOPK_SHAPES[name]
+    rows = jax.ShapeDtypeStruct((s.batch * s.depths, s.vocab), jnp.float32)
+    fn = functools.partial(log_softmax_top_k_pallas, k=s.k)
+    text = _triton_lowered_for_cuda(lambda x, t: fn(x, t), rows, jax.ShapeDtypeStruct((), jnp.float32))
+    assert "xla.gpu.triton" in text and f"grid_x = {s.batch * s.depths} : i32" in text

@@ -248,3 +248,23 @@ def test_route_without_the_sort_equals_route_with_it(monkeypatch):
         got = model.route(cfg, x, router, bias)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_router_logits_as_a_reduction_are_the_dot_up_to_rounding(monkeypatch):
+    """A few tokens' router logits as a float32 multiply and sum (ROUTER_REDUCE_MAX_TOKENS) pick
+    the experts of the float64 product and weigh them within float32 rounding, as the dot does."""
+    cfg = dataclasses.replace(tiny(), n_routed_experts=16, num_experts_per_tok=2)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(13, cfg.hidden_size))
+    router = rng.normal(size=(cfg.hidden_size, 16)) * 0.1
+    bias = np.round(rng.normal(size=16), 1)
+    choice = 1 / (1 + np.exp(-(x @ router))) + bias  # float64
+    want_idx = np.argsort(-choice, axis=1, kind="stable")[:, :2]
+    args = [jnp.asarray(a, jnp.float32) for a in (x, router, bias)]
+    for limit in (0, 64):  # the dot, the reduction
+        monkeypatch.setattr(model, "ROUTER_REDUCE_MAX_TOKENS", limit)
+        idx, w = model.route(cfg, *args)
+        np.testing.assert_array_equal(np.asarray(idx), want_idx)
+        s = 1 / (1 + np.exp(-(x @ router)))
+        ws = np.take_along_axis(s, want_idx, 1)
+        np.testing.assert_allclose(np.asarray(w), ws / ws.sum(1, keepdims=True) * cfg.routed_scaling_factor, rtol=1e-5)

@@ -2,7 +2,8 @@
 
 `ddtree_jax/pallas/<op>/` holds `reference.py` (float32 math, also the XLA
 fallback), `kernel.py` (the Triton-lowered kernel and its frozen tile config, where one
-is kept: the routed experts', the drafter's block attention and its QKV projection), `mosaic.py` (the Mosaic GPU kernel: TMA, wgmma, warp
+is kept: the routed experts', the drafter's block attention and its QKV projection, DDTree's
+per-depth top-K), `mosaic.py` (the Mosaic GPU kernel: TMA, wgmma, warp
 specialization, and its tiles),
 `api.py` (one dispatch function with `implementation=`) and `bench.py`; `shapes.py`
 names the real shapes that bench and tests share.
@@ -19,9 +20,10 @@ operands (bf16 / f16, widths that fit its tiles; for the routed experts also wei
 enough to stream, `moe.api.AUTO_MIN_BYTES`), and the XLA path otherwise (the CPU,
 float32, shapes the kernel does not tile, small launch-bound models); the DFlash drafter's
 block attention takes its Triton-lowered kernel on a GPU (`drafter_attention.api.uses_kernel`),
-and a narrow drafter's QKV projection its own (`drafter_layer.api.uses_kernel`).
+a narrow drafter's QKV projection its own (`drafter_layer.api.uses_kernel`), and DDTree's
+log-softmax top-K of up to 16 ranks its own (`draft_topk.api.uses_kernel`).
 "pallas": the Triton-lowered kernels: the routed experts', the drafter's attention and QKV
-projection; MLA
+projection, the tree's top-K; MLA
 attention, whose Triton kernel was removed (the Mosaic one beat it at every measured shape),
 on the XLA path.
 "mosaic": the Mosaic GPU kernels (interpret mode on a CPU backend)."""

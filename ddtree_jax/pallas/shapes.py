@@ -126,3 +126,26 @@ DRAFTER_LAYER_SHAPES: dict[str, DrafterLayerShape] = {
     "shipped_batch8": DrafterLayerShape(8, 384, 6, 1, 64),
     "kimi_k25_dflash": DrafterLayerShape(1, 7168, 64, 8, 128),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTopKShape:
+    """One tree's top-K: B x D rows of V drafter logits, K ranks kept."""
+
+    batch: int
+    vocab: int
+    k: int
+    depths: int = 15
+
+    def shrink(self) -> DraftTopKShape:
+        """The CPU version: V / 8."""
+        return dataclasses.replace(self, vocab=self.vocab // 8)
+
+
+DRAFT_TOPK_SHAPES: dict[str, DraftTopKShape] = {
+    "shipped_budget8": DraftTopKShape(1, 8192, 8),
+    "shipped_budget12": DraftTopKShape(1, 8192, 12),
+    "shipped_budget16": DraftTopKShape(1, 8192, 16),
+    "shipped_budget32": DraftTopKShape(1, 8192, 32),
+    "shipped_budget12_batch8": DraftTopKShape(8, 8192, 12),
+}
