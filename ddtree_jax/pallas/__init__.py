@@ -12,6 +12,8 @@ names the real shapes that bench and tests share.
 import jax
 from jax.experimental import pallas as pl
 
+from ddtree_jax import sharding
+
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic")
 """What a user picks (`generate(implementation=...)`); an op may have more (mla_attention's "exact").
 
@@ -53,6 +55,21 @@ def check_implementation(implementation: str, available: tuple[str, ...], op: st
         raise NotImplementedError(
             f"{op}: implementation={implementation!r} is not available yet (have {available}); use implementation='xla'"
         )
+
+
+def runs_unpartitioned_kernel(
+    implementation: str, available: tuple[str, ...], op: str, takes: bool, auto: bool
+) -> bool:
+    """Whether an op runs its Triton-lowered kernel, which is not partitioned: never under a mesh
+    or where the kernel does not take the operands (`takes`); for "pallas" otherwise; for "auto"
+    on a GPU where the op's measured rule (`auto`) holds, unless its `AUTO_KERNEL` is off (the
+    caller folds that into `auto`). Raises for an unknown `implementation`."""
+    check_implementation(implementation, available, op)
+    if not takes or sharding.context_mesh() is not None:
+        return False
+    if implementation == "pallas":
+        return True
+    return implementation == "auto" and auto and jax.default_backend() == "gpu"
 
 
 def check_rank(op: str, name: str, array, rank: int) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas import runs_unpartitioned_kernel
 from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles, log_softmax_top_k_pallas, takes
 from ddtree_jax.pallas.draft_topk.reference import log_probs, log_softmax_top_k_reference
 
@@ -28,12 +27,9 @@ def uses_kernel(implementation: str, vocab: int, k: int) -> bool:
     """Whether `log_softmax_top_k` runs the kernel: "pallas" where `kernel.takes` holds, "auto"
     also only on a GPU, for k <= `AUTO_MAX_K`. Under a mesh, neither: the kernel is not
     partitioned."""
-    check_implementation(implementation, AVAILABLE, "draft_topk")
-    if not takes(vocab, k) or sharding.context_mesh() is not None:
-        return False
-    if implementation == "pallas":
-        return True
-    return implementation == "auto" and AUTO_KERNEL and jax.default_backend() == "gpu" and k <= AUTO_MAX_K
+    return runs_unpartitioned_kernel(
+        implementation, AVAILABLE, "draft_topk", takes(vocab, k), AUTO_KERNEL and k <= AUTO_MAX_K
+    )
 
 
 def log_softmax_top_k(

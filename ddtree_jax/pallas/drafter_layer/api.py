@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ddtree_jax import sharding
-from ddtree_jax.pallas import check_implementation
+from ddtree_jax.pallas import runs_unpartitioned_kernel
 from ddtree_jax.pallas.drafter_layer.kernel import DrafterLayerTiles, qkv_pallas, takes
 from ddtree_jax.pallas.drafter_layer.reference import qkv_reference
 
@@ -56,12 +55,8 @@ def uses_kernel(implementation: str, hidden: int, head_dim: int) -> bool:
     """Whether `drafter_qkv` runs the kernel: "pallas" where `takes` holds, "auto" also only on a
     GPU, for a drafter of hidden size <= `AUTO_MAX_HIDDEN`. Under a mesh, neither: the kernel is
     not partitioned, and XLA splits the projection by the weights' shardings."""
-    check_implementation(implementation, AVAILABLE, "drafter_layer")
-    if not takes(hidden, head_dim) or sharding.context_mesh() is not None:
-        return False
-    if implementation == "pallas":
-        return True
-    return implementation == "auto" and AUTO_KERNEL and jax.default_backend() == "gpu" and hidden <= AUTO_MAX_HIDDEN
+    auto = AUTO_KERNEL and hidden <= AUTO_MAX_HIDDEN
+    return runs_unpartitioned_kernel(implementation, AVAILABLE, "drafter_layer", takes(hidden, head_dim), auto)
 
 
 def drafter_qkv(
