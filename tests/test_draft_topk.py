@@ -35,10 +35,11 @@ def _same(got, want):
         (1, 64, 1, None),  # the argmax
     ],
 )
-def test_kernel_matches_reference(r, v, k, temperature):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_kernel_matches_reference(r, v, k, temperature, one_pass):
     x = _rows(r + v + k, r, v)
     t = None if temperature is None else jnp.float32(temperature)
-    got = log_softmax_top_k_pallas(x, t, k=k, interpret=True)
+    got = log_softmax_top_k_pallas(x, t, k=k, tiles=DraftTopKTiles(one_pass=one_pass), interpret=True)
     assert got[0].shape == got[1].shape == (r, k) and got[1].dtype == jnp.int32
     _same(got, log_softmax_top_k_reference(x, k, t))
 
@@ -52,11 +53,12 @@ def test_infinities_and_nan_rank_as_top_k_does():
     x[2, :] = 0.5
     x[2, 17] = np.nan
     x = jnp.asarray(x)
-    got = log_softmax_top_k_pallas(x, None, k=6, interpret=True)
     want = log_softmax_top_k_reference(x, 6)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # NaN == NaN, -inf == -inf
-    assert np.asarray(got[1])[0].tolist() == [9, 5, 40, 0, 1, 2]
+    for one_pass in (False, True):
+        got = log_softmax_top_k_pallas(x, None, k=6, tiles=DraftTopKTiles(one_pass=one_pass), interpret=True)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # NaN == NaN, -inf == -inf
+        assert np.asarray(got[1])[0].tolist() == [9, 5, 40, 0, 1, 2]
 
 
 def test_dispatch_takes_and_bad_k():
@@ -102,5 +104,5 @@ def test_bench_smoke(capsys):
 
     bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_budget12"])
     out = capsys.readouterr().out
-    for impl in ("reference", "xla", "pallas"):
+    for impl in ("reference", "xla", "pallas", "pallas_one_pass"):
         assert f"| shipped_budget12 | {impl} |" in out

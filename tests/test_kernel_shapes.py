@@ -276,10 +276,11 @@ def test_draft_topk_kernel_on_named_shapes(name):
 @pytest.mark.parametrize("name", list(DRAFT_TOPK_SHAPES))
 def test_draft_topk_kernel_lowers_for_the_gpu(name):
     """The drafter's top-K kernel at full size to Triton IR, a program a row."""
-    from ddtree_jax.pallas.draft_topk.kernel import log_softmax_top_k_pallas
+    from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles, log_softmax_top_k_pallas
 
     s = DRAFT_TOPK_SHAPES[name]
     rows = jax.ShapeDtypeStruct((s.batch * s.depths, s.vocab), jnp.float32)
-    fn = functools.partial(log_softmax_top_k_pallas, k=s.k)
-    text = _triton_lowered_for_cuda(lambda x, t: fn(x, t), rows, jax.ShapeDtypeStruct((), jnp.float32))
-    assert "xla.gpu.triton" in text and f"grid_x = {s.batch * s.depths} : i32" in text
+    for one_pass in (False, True):
+        fn = functools.partial(log_softmax_top_k_pallas, k=s.k, tiles=DraftTopKTiles(one_pass=one_pass))
+        text = _triton_lowered_for_cuda(lambda x, t, fn=fn: fn(x, t), rows, jax.ShapeDtypeStruct((), jnp.float32))
+        assert "xla.gpu.triton" in text and f"grid_x = {s.batch * s.depths} : i32" in text

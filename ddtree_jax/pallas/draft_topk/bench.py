@@ -5,7 +5,8 @@
 
 Shapes: `pallas/shapes.py` (DRAFT_TOPK_SHAPES), float32 logits scaled by a temperature of 0.8
 (the CLI's default tree temperature at T = 0). "xla" is the tree's own path (`tree.top_k`: a
-softmax kernel and chunked sorts), "reference" one `lax.top_k` of the row. Times are device time
+softmax kernel and chunked sorts), "reference" one `lax.top_k` of the row, "pallas_one_pass" the
+kernel with `DraftTopKTiles(one_pass=True)`. Times are device time
 from a profiler trace (`bench_util.device_time`; "wall" where the backend gives none). Bytes:
 the logits read once. Every output is checked against the reference: the ids must match and
 the values agree to 1e-5; a mismatch fails the run.
@@ -22,6 +23,7 @@ import numpy as np
 from ddtree_jax import tree
 from ddtree_jax.pallas.bench_util import device_time, table_row
 from ddtree_jax.pallas.draft_topk import api
+from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles
 from ddtree_jax.pallas.draft_topk.reference import log_probs, log_softmax_top_k_reference
 from ddtree_jax.pallas.shapes import DRAFT_TOPK_SHAPES, DraftTopKShape
 
@@ -41,6 +43,9 @@ def runs(k: int) -> dict:
         "reference": jax.jit(lambda x, t: log_softmax_top_k_reference(x, k, t)),
         "xla": jax.jit(lambda x, t: tree.top_k(log_probs(x, t), k)),
         "pallas": jax.jit(lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas")),
+        "pallas_one_pass": jax.jit(
+            lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas", tiles=DraftTopKTiles(one_pass=True))
+        ),
     }
 
 

@@ -34,10 +34,18 @@ MAX_VOCAB = 16384
 
 @dataclasses.dataclass(frozen=True)
 class DraftTopKTiles:
-    """Triton launch parameters (validated on construction); a program is a whole row."""
+    """Triton launch parameters (validated on construction); a program is a whole row.
+
+    Attributes:
+      num_warps, num_stages: Triton launch parameters.
+      one_pass: select each rank with one argmax reduction (ties to the lower id, as Pallas
+        lowers it) and read the K values back from the logits after, instead of a max and a min
+        reduction a rank. Not yet timed on a GPU: off.
+    """
 
     num_warps: int = 8
     num_stages: int = 1
+    one_pass: bool = False
 
     def __post_init__(self):
         check_compiler(self.num_warps, self.num_stages)
@@ -54,18 +62,38 @@ def _order_key(x: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
-def _top_k_kernel(t_ref, x_ref, values_ref, ids_ref, *, k, scale):
+def _top_k_kernel(t_ref, x_ref, values_ref, ids_ref, *, k, scale, one_pass):
     f32, i32 = jnp.float32, jnp.int32
+
+    def log_prob(x, shift):  # the same float ops on a row or on the picked entries
+        if scale:
+            x = (x - shift[0]) / t_ref[0]
+        return x - shift[1] - shift[2]
+
     x = x_ref[...].astype(f32)  # [Vp]
-    if scale:
-        x = (x - jnp.max(x)) / t_ref[0]
-    shifted = x - jnp.max(x)
-    lp = shifted - jnp.log(jnp.sum(jnp.exp(shifted)))
-    key = _order_key(lp)
+    top = jnp.max(x)
+    scaled = (x - top) / t_ref[0] if scale else x
+    m = jnp.max(scaled)
+    shift = (top, m, jnp.log(jnp.sum(jnp.exp(scaled - m))))
+    key = _order_key(log_prob(x, shift))
     vp, kp = x.shape[0], values_ref.shape[0]
     ids = jax.lax.broadcasted_iota(i32, (vp,), 0)
     slots = jax.lax.broadcasted_iota(i32, (kp,), 0)
     lowest = jnp.iinfo(jnp.int32).min
+    if one_pass:
+        # Taken entries drop to `lowest`, below every key (the one -NaN pattern whose key it is
+        # ranks as the next one up).
+        key = jnp.maximum(key, lowest + 1)
+
+        def select(j, carry):
+            taken, top_id = carry
+            pick = jnp.argmax(jnp.where(taken, lowest, key)).astype(i32)
+            return taken | (ids == pick), jnp.where(slots == j, pick, top_id)
+
+        _, top_id = jax.lax.fori_loop(0, k, select, (jnp.zeros((vp,), jnp.bool_), jnp.zeros((kp,), i32)))
+        values_ref[...] = log_prob(x_ref[top_id].astype(f32), shift)
+        ids_ref[...] = top_id
+        return
 
     def select(j, carry):
         taken, top_key, top_id = carry
@@ -98,7 +126,7 @@ def log_softmax_top_k_pallas(
     scale = temperature is not None
     t = jnp.reshape(jnp.asarray(1.0 if temperature is None else temperature, jnp.float32), (1,))
     values, ids = pl.pallas_call(
-        functools.partial(_top_k_kernel, k=k, scale=scale),
+        functools.partial(_top_k_kernel, k=k, scale=scale, one_pass=tiles.one_pass),
         grid=(r,),
         in_specs=[pl.BlockSpec((1,), lambda i: (0,)), pl.BlockSpec((None, vp), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0))] * 2,
