@@ -57,6 +57,40 @@ def test_ranks_are_named_and_no_queries_give_zeros():
         mla_attention(args[0][0], *args[1:], scale=0.5)
 
 
+def test_joined_keys_are_the_split_pass(monkeypatch):
+    """The XLA path over the cache and the new keys joined (`JOIN_MAX_BYTES`) gives the
+    reference's attention: a built tree's mask, empty and full caches, a bf16 cache, jitted;
+    one new token and caches over the bound keep the split pass."""
+    from ddtree_jax.pallas.mla_attention import reference
+    from tests.conftest import random_target, tiny
+
+    rng = np.random.default_rng(7)
+    tree = build_ddtree(jax.random.normal(jax.random.PRNGKey(3), (2, 15, 40)), jnp.zeros((2,), jnp.int32), 12)
+    monkeypatch.setattr(reference, "JOIN_MAX_BYTES", 1 << 20)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = case(rng, 2, 13, 3, 16, 8, 24, [0, 24], tree.visibility, dtype)
+        want = mla_attention_reference(*args, 0.3)
+        got = jax.jit(lambda *a: mla_attention(*a, scale=0.3))(*args)
+        np.testing.assert_allclose(got, want, atol=1e-5 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
+    one = case(rng, 1, 1, 2, 8, 4, 6, [3], jnp.ones((1, 1, 1), bool))
+    np.testing.assert_array_equal(mla_attention(*one, scale=0.5), mla_attention_reference(*one, 0.5))
+    monkeypatch.setattr(reference, "JOIN_MAX_BYTES", 1)
+    np.testing.assert_array_equal(mla_attention(*args, scale=0.3), mla_attention_reference(*args, 0.3))
+    # The model's "fast" forward of a tree's tokens takes it (the "exact" one has its own pass).
+    from ddtree_jax import model
+
+    params = random_target(tiny(), seed=3)
+    cache = model.KVCache.init(params.config, 1, 16)
+    _, cache = model.append(params, cache, jnp.asarray([[5, 17, 33, 2, 9]], jnp.int32), jnp.asarray([5], jnp.int32))
+    tokens, positions = jnp.asarray([[250, 1, 7, 7]], jnp.int32), jnp.arange(5, 9, dtype=jnp.int32)[None]
+    causal = jnp.tril(jnp.ones((1, 4, 4), bool))
+    runs = []
+    for limit in (0, 1 << 20):
+        monkeypatch.setattr(reference, "JOIN_MAX_BYTES", limit)
+        runs.append(model.forward(params, tokens, positions, cache, causal, numerics="fast").hidden)
+    np.testing.assert_allclose(runs[1], runs[0], atol=1e-5, rtol=1e-5)
+
+
 def _greedy_ar_and_ddtree_match_xla(params, implementation, max_new_tokens):
     """Greedy AR and DDTree (oracle drafter) with `implementation` give the XLA path's tokens."""
     from ddtree_jax.drafters import OracleDrafter

@@ -18,7 +18,7 @@ from ddtree_jax.pallas.mla_attention.mosaic import (
     new_split_pays,
     new_split_runs,
 )
-from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
+from ddtree_jax.pallas.mla_attention.reference import mla_attention_xla
 
 AVAILABLE = ("auto", "xla", "exact", "pallas", "mosaic")
 
@@ -82,7 +82,7 @@ def mla_attention(
       new_mask: visibility among the new tokens (causal for prefill, the
         ancestor-or-self matrix for a draft tree).
       scale: the model's softmax scale (qk_head_dim^-0.5, times YaRN mscale^2).
-      implementation: "xla" (pure jnp), "exact" (pure jnp in a rounding order fixed
+      implementation: "xla" (pure jnp, `reference.mla_attention_xla`), "exact" (pure jnp in a rounding order fixed
         by absolute positions, exact.py), "mosaic" (the Mosaic GPU kernel in mosaic.py:
         a bf16 / f16 cache on the GPU, R % 128, P % 64, S % 64), "auto" ("mosaic" on a
         Hopper GPU where it takes the operands, else "xla") or "pallas", which means
@@ -147,7 +147,7 @@ def mla_attention(
         fn = functools.partial(_mosaic, scale=scale, interpret=mosaic_interpret())
         axes = _AXES
     else:
-        fn, axes = functools.partial(mla_attention_reference, scale=scale), _AXES
+        fn, axes = functools.partial(mla_attention_xla, scale=scale), _AXES
     if sharding.context_mesh() is None:
         return fn(*args)
     home, extra = sharding.cache_split(b)

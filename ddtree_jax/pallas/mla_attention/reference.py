@@ -19,6 +19,14 @@ from ddtree_jax.layers import einsum
 MASK_VALUE = -1e30
 """Finite, so that a row with no visible key gives uniform weights, never NaN."""
 
+JOIN_MAX_BYTES = 0
+"""`mla_attention_xla` attends a call of several new tokens over the cache and the new keys
+joined into one key stream ([B, S + T, R] and [B, S + T, P], a copy of the cache) when the
+cache takes at most this many bytes: the score and value GEMMs of the cache and of the new keys,
+and the concatenation of their scores, become one GEMM each. A verify of the shipped target ran
+them as 6 GEMMs and a concatenation in each of its 8 layers, an AR step as 3 (session 51's stage
+profile). 0: never (not yet timed on a GPU)."""
+
 
 def mla_attention_reference(
     q_lat: jax.Array,  # [B, T, N, R]
@@ -49,3 +57,20 @@ def mla_attention_reference(
     out = jnp.einsum("bnts,bsr->btnr", p_cache, cache_ckv.astype(f32))
     out += jnp.einsum("bntu,bur->btnr", p_new, new_ckv.astype(f32))
     return out
+
+
+def mla_attention_xla(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, scale: float):
+    """The XLA path: `mla_attention_reference`, or over the cache and the new keys joined (same
+    arguments, same result up to float32 summation order) for T > 1 new tokens and a cache of at
+    most `JOIN_MAX_BYTES`."""
+    b, t = new_mask.shape[:2]
+    if t == 1 or cache_ckv.nbytes + cache_kpe.nbytes > JOIN_MAX_BYTES:
+        return mla_attention_reference(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, scale)
+    ckv = jnp.concatenate([cache_ckv, new_ckv.astype(cache_ckv.dtype)], axis=1)  # [B, S + T, R]
+    kpe = jnp.concatenate([cache_kpe, new_kpe.astype(cache_kpe.dtype)], axis=1)  # [B, S + T, P]
+    s = cache_ckv.shape[1]
+    cache_visible = jnp.arange(s)[None, :] < cache_len[:, None]  # [B, S]
+    visible = jnp.concatenate([jnp.broadcast_to(cache_visible[:, None, :], (b, t, s)), new_mask], axis=-1)
+    scores = (einsum("btnr,bsr->bnts", q_lat, ckv) + einsum("btnp,bsp->bnts", q_pe, kpe)) * scale
+    p = jax.nn.softmax(jnp.where(visible[:, None, :, :], scores, MASK_VALUE), axis=-1)
+    return jnp.einsum("bnts,bsr->btnr", p, ckv.astype(jnp.float32))
