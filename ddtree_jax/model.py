@@ -93,7 +93,14 @@ class MoEParams:
     gate: jax.Array  # [E, H, I]
     up: jax.Array  # [E, H, I]
     down: jax.Array  # [E, I, H]
-    shared: MLPParams | None  # I_shared = n_shared_experts * I
+    shared: MLPParams | SharedAsExpert | None  # I_shared = n_shared_experts * I
+
+
+@struct.dataclass
+class SharedAsExpert:
+    """`MoEParams.shared` of a layer prepared for the decode loop (`HOIST_SHARED_AS_EXPERT`): its
+    shared expert is the last of the routed stacks ([E + 1, ...]), which every token chooses
+    with weight 1."""
 
 
 @struct.dataclass
@@ -420,6 +427,16 @@ def _unrolled(numerics: str, n_layers: int, routed_path: str | None) -> bool:
 HOIST_MAX_BYTES = 1 << 30
 """`hoist_layers` prepares a layer stack of at most this many bytes (as prepared)."""
 
+HOIST_SHARED_AS_EXPERT = False
+"""Whether `hoist_layers` appends the shared expert of an unrolled "fast" stack on the XLA path to
+the routed stacks, as one more expert every token chooses with weight 1 (`SharedAsExpert`),
+where its width is a routed expert's (one shared expert): the routed pass then computes it too,
+one down GEMM instead of two in a verify's dense pass, one gather instead of the shared GEMMs in
+an AR step. A verify of the shipped target ran the shared down projection as a GEMM of its own,
+2.9 us in each of 7 layers (session 51's stage profile). Not yet timed on a GPU: off. It changes
+a forward's last bits (the shared output summed with the routed ones in float32 before one
+rounding)."""
+
 HOIST_SHARED_OUT_MAJOR: bool | None = None
 """Whether `hoist_layers` holds the shared experts' gate and up as [I, H] (`layers.OutMajor`);
 None: on a GPU. XLA merges them with the dense routed pass of a verify into one GEMM that reads
@@ -429,6 +446,25 @@ every round (14 transposes a DDTree(12) round of the shipped pair). End to end o
 docs/benchmarks.md): AR 1974 / 1973 -> 2195 / 2158 tokens/s (+9-11%), DDTree(12) 4293 / 4213
 -> 4302 (one process; no loss). In interleaved pairs its round was 2-3% faster and its AR step 5-7% (sessions
 34, 41). Off on the CPU, where it was not timed. It changes a float32 forward's last bits."""
+
+
+def _shared_as_expert(mlp):
+    """A stack's MoE weights with the shared expert appended to the routed stacks
+    (`SharedAsExpert`), where there is one of a routed expert's width; else unchanged."""
+    if not isinstance(mlp, MoEParams) or not isinstance(mlp.shared, MLPParams):
+        return mlp
+    if mlp.shared.gate.shape[-1] != mlp.gate.shape[-1] or isinstance(mlp.gate, QuantizedArray):
+        return mlp
+
+    def join(routed, shared):  # [L, E, ...] and [L, ...] -> [L, E + 1, ...]
+        return jnp.concatenate([routed, shared[:, None].astype(routed.dtype)], axis=1)
+
+    return mlp.replace(
+        gate=join(mlp.gate, mlp.shared.gate),
+        up=join(mlp.up, mlp.shared.up),
+        down=join(mlp.down, mlp.shared.down),
+        shared=SharedAsExpert(),
+    )
 
 
 def _out_major(mlp: MLPParams) -> MLPParams:
@@ -474,9 +510,11 @@ def hoist_layers(params: TargetParams, numerics: str, implementation: str = "aut
         dense = jax.tree.map(lambda a: a.dequantize(params.dtype) if int4(a) else a, stack, is_leaf=int4)
         if not _unrolled(numerics, layer_count(stack), path):
             return dense
+        if HOIST_SHARED_AS_EXPERT and path == "xla" and sharding.context_mesh() is None:
+            dense = dense.replace(mlp=_shared_as_expert(dense.mlp))
         layers = unstack(dense)
         out_major = jax.default_backend() == "gpu" if HOIST_SHARED_OUT_MAJOR is None else HOIST_SHARED_OUT_MAJOR
-        if not out_major or getattr(layers.layers[0].mlp, "shared", None) is None:
+        if not out_major or not isinstance(getattr(layers.layers[0].mlp, "shared", None), MLPParams):
             return layers
         return Unstacked(
             tuple(lp.replace(mlp=lp.mlp.replace(shared=_out_major(lp.mlp.shared))) for lp in layers.layers)
@@ -544,6 +582,12 @@ def _moe_tokens(cfg: TargetConfig, p: MoEParams, flat: jax.Array, experts) -> tu
     """Routed experts (computed by `experts`) + shared experts. flat [T, H] -> ([T, H], idx [T, K])."""
     with jax.named_scope("moe"):
         idx, w = route(cfg, flat, p.router, p.router_bias)
+        if isinstance(p.shared, SharedAsExpert):  # the last expert, chosen by every token
+            t, e = idx.shape[0], p.gate.shape[-3] - 1
+            both = jnp.concatenate([idx, jnp.full((t, 1), e, idx.dtype)], axis=1)
+            return experts(
+                flat, both, jnp.concatenate([w, jnp.ones((t, 1), w.dtype)], axis=1), p.gate, p.up, p.down
+            ), idx
         y = experts(flat, idx, w, p.gate, p.up, p.down)
         if p.shared is not None:
             y = y + swiglu(flat, p.shared.gate, p.shared.up, p.shared.down)

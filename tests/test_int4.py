@@ -188,6 +188,34 @@ def test_hoisted_layers_give_the_same_forward(quantized, monkeypatch):
     assert not int4(model.hoist_layers(quantized, "exact").moe_layers)
 
 
+def test_shared_expert_as_the_last_routed_one(quantized, monkeypatch):
+    """HOIST_SHARED_AS_EXPERT: the hoisted "fast" stack holds the shared expert as routed expert
+    E, chosen by every token with weight 1; a forward gives the unfolded one's hidden states up to
+    float32 rounding on every XLA path (gather, dense pass, grouped GEMM), and the same counts."""
+    from ddtree_jax.pallas.moe import reference
+
+    cfg = quantized.config
+    monkeypatch.setattr(model, "HOIST_SHARED_AS_EXPERT", True)
+    folded = model.hoist_layers(quantized, "fast")
+    mlp = folded.moe_layers.layers[0].mlp
+    assert isinstance(mlp.shared, model.SharedAsExpert) and mlp.gate.shape[0] == cfg.n_routed_experts + 1
+    np.testing.assert_array_equal(mlp.down[-1], quantized.moe_layers.mlp.shared.down[0])
+    assert model.hoist_layers(quantized, "exact").moe_layers.mlp.shared is not None  # "exact": kept apart
+    monkeypatch.setattr(model, "HOIST_SHARED_AS_EXPERT", False)
+    plain = model.hoist_layers(quantized, "fast")
+    for t, dense_max in ((1, 128), (9, 128), (9, 0)):
+        monkeypatch.setattr(reference, "DENSE_MAX_TOKENS", dense_max)
+        tokens = jnp.asarray([[5, 17, 33, 2, 9, 250, 1, 7, 7][:t]], jnp.int32)
+        positions = jnp.arange(t, dtype=jnp.int32)[None]
+        cache, mask = model.KVCache.init(cfg, 1, 16), jnp.tril(jnp.ones((1, t, t), bool))
+        want, got = (
+            model.forward(p, tokens, positions, cache, mask, numerics="fast", implementation="xla")
+            for p in (plain, folded)
+        )
+        np.testing.assert_allclose(got.hidden, want.hidden, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(got.expert_counts, want.expert_counts)
+
+
 def test_forward_looped_over_layers_equals_unrolled(quantized):
     """`unroll_layers=False` (the prefill's loop over each layer stack, one compiled body a kind)
     computes the unrolled "fast" forward: same kv, hidden states and taps."""
