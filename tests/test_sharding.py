@@ -97,7 +97,8 @@ PALLAS_SCRIPT = textwrap.dedent(
     # Attention's kernel is Mosaic GPU's alone, whose interpreter hangs under an 8-device
     # shard_map on the CPU: a stand-in with its contract (the reference) takes its place.
     import ddtree_jax.pallas.mla_attention.api as mla_api
-    mla_api.mla_attention_mosaic = lambda *a, scale, tiles=None, interpret=None: mla_api.mla_attention_reference(*a, scale)
+    from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
+    mla_api.mla_attention_mosaic = lambda *a, scale, tiles=None, interpret=None: mla_attention_reference(*a, scale)
     mla = jax.jit(lambda *a: mla_attention(*a, scale=0.3, implementation="mosaic"))
     with jax.set_mesh(mesh):
         assert "shard_map" in str(jax.make_jaxpr(mla)(*q, *kv, mask))
@@ -123,7 +124,7 @@ PALLAS_SCRIPT = textwrap.dedent(
         a = list(a)
         if layer is not None:
             a[2], a[3] = a[2][layer], a[3][layer]
-        return mla_api.mla_attention_reference(*a, scale)
+        return mla_attention_reference(*a, scale)
 
     mla_api.mla_attention_mosaic = stacked_stand_in
     mla_at = jax.jit(lambda li, *a: mla_attention(*a, scale=0.3, implementation="mosaic", layer=li))
