@@ -273,13 +273,16 @@ def test_draft_topk_kernel_on_named_shapes(name):
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(DRAFT_TOPK_SHAPES))
+@pytest.mark.parametrize("name", [*DRAFT_TOPK_SHAPES, "tiny_vocab", "longest_row"])
 def test_draft_topk_kernel_lowers_for_the_gpu(name):
-    """The drafter's top-K kernel at full size to Triton IR, a program a row."""
-    from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles, log_softmax_top_k_pallas
+    """The drafter's top-K kernel at full size to Triton IR, a program a row; also a toy
+    vocabulary (37 logits padded to 64, K = 1) and the longest row it takes (bf16)."""
+    from ddtree_jax.pallas.draft_topk.kernel import MAX_VOCAB, DraftTopKTiles, log_softmax_top_k_pallas
+    from ddtree_jax.pallas.shapes import DraftTopKShape
 
-    s = DRAFT_TOPK_SHAPES[name]
-    rows = jax.ShapeDtypeStruct((s.batch * s.depths, s.vocab), jnp.float32)
+    extra = {"tiny_vocab": DraftTopKShape(1, 37, 1), "longest_row": DraftTopKShape(2, MAX_VOCAB, 16)}
+    s = extra[name] if name in extra else DRAFT_TOPK_SHAPES[name]
+    rows = jax.ShapeDtypeStruct((s.batch * s.depths, s.vocab), jnp.bfloat16 if name in extra else jnp.float32)
     for one_pass in (False, True):
         fn = functools.partial(log_softmax_top_k_pallas, k=s.k, tiles=DraftTopKTiles(one_pass=one_pass))
         text = _triton_lowered_for_cuda(lambda x, t, fn=fn: fn(x, t), rows, jax.ShapeDtypeStruct((), jnp.float32))
