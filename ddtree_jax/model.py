@@ -449,11 +449,12 @@ docs/benchmarks.md): AR 1974 / 1973 -> 2195 / 2158 tokens/s (+9-11%), DDTree(12)
 
 
 def _shared_as_expert(mlp):
-    """A stack's MoE weights with the shared expert appended to the routed stacks
-    (`SharedAsExpert`), where there is one of a routed expert's width; else unchanged."""
+    """A stack's MoE weights (dense: the XLA path's, INT4 already dequantized) with the shared
+    expert appended to the routed stacks (`SharedAsExpert`), where there is one of a routed
+    expert's width; else unchanged."""
     if not isinstance(mlp, MoEParams) or not isinstance(mlp.shared, MLPParams):
         return mlp
-    if mlp.shared.gate.shape[-1] != mlp.gate.shape[-1] or isinstance(mlp.gate, QuantizedArray):
+    if mlp.shared.gate.shape[-1] != mlp.gate.shape[-1]:
         return mlp
 
     def join(routed, shared):  # [L, E, ...] and [L, ...] -> [L, E + 1, ...]

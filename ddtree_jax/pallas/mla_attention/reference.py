@@ -28,6 +28,16 @@ them as 6 GEMMs and a concatenation in each of its 8 layers, an AR step as 3 (se
 profile). 0: never (not yet timed on a GPU)."""
 
 
+def _scores(q_lat, q_pe, ckv, kpe, scale: float) -> jax.Array:
+    """scale * (q_lat . c_kv + q_pe . k_pe) [B, N, T, S'] over keys ckv [B, S', R], kpe [B, S', P]."""
+    return (einsum("btnr,bsr->bnts", q_lat, ckv) + einsum("btnp,bsp->bnts", q_pe, kpe)) * scale
+
+
+def _cache_visible(cache_len: jax.Array, s: int) -> jax.Array:
+    """[B, S]: cache entry s is visible iff s < cache_len[b]."""
+    return jnp.arange(s)[None, :] < cache_len[:, None]
+
+
 def mla_attention_reference(
     q_lat: jax.Array,  # [B, T, N, R]
     q_pe: jax.Array,  # [B, T, N, P]
@@ -41,16 +51,9 @@ def mla_attention_reference(
 ) -> jax.Array:  # [B, T, N, R] float32
     """softmax(scale * (q_lat . c_kv + q_pe . k_pe)) @ c_kv over cache + new keys."""
     f32 = jnp.float32
-
-    def scores(ckv, kpe):
-        s = einsum("btnr,bsr->bnts", q_lat, ckv)
-        s += einsum("btnp,bsp->bnts", q_pe, kpe)
-        return s * scale
-
-    s_cache = scores(cache_ckv, cache_kpe)
-    s_new = scores(new_ckv, new_kpe)
-    cache_visible = jnp.arange(cache_ckv.shape[1])[None, :] < cache_len[:, None]  # [B, S]
-    s_cache = jnp.where(cache_visible[:, None, None, :], s_cache, MASK_VALUE)
+    s_cache = _scores(q_lat, q_pe, cache_ckv, cache_kpe, scale)
+    s_new = _scores(q_lat, q_pe, new_ckv, new_kpe, scale)
+    s_cache = jnp.where(_cache_visible(cache_len, cache_ckv.shape[1])[:, None, None, :], s_cache, MASK_VALUE)
     s_new = jnp.where(new_mask[:, None, :, :], s_new, MASK_VALUE)
     p = jax.nn.softmax(jnp.concatenate([s_cache, s_new], axis=-1), axis=-1)
     p_cache, p_new = p[..., : cache_ckv.shape[1]], p[..., cache_ckv.shape[1] :]
@@ -69,8 +72,8 @@ def mla_attention_xla(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new
     ckv = jnp.concatenate([cache_ckv, new_ckv.astype(cache_ckv.dtype)], axis=1)  # [B, S + T, R]
     kpe = jnp.concatenate([cache_kpe, new_kpe.astype(cache_kpe.dtype)], axis=1)  # [B, S + T, P]
     s = cache_ckv.shape[1]
-    cache_visible = jnp.arange(s)[None, :] < cache_len[:, None]  # [B, S]
-    visible = jnp.concatenate([jnp.broadcast_to(cache_visible[:, None, :], (b, t, s)), new_mask], axis=-1)
-    scores = (einsum("btnr,bsr->bnts", q_lat, ckv) + einsum("btnp,bsp->bnts", q_pe, kpe)) * scale
+    cache_visible = jnp.broadcast_to(_cache_visible(cache_len, s)[:, None, :], (b, t, s))
+    visible = jnp.concatenate([cache_visible, new_mask], axis=-1)  # [B, T, S + T]
+    scores = _scores(q_lat, q_pe, ckv, kpe, scale)
     p = jax.nn.softmax(jnp.where(visible[:, None, :, :], scores, MASK_VALUE), axis=-1)
     return jnp.einsum("bnts,bsr->btnr", p, ckv.astype(jnp.float32))
