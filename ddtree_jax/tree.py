@@ -41,17 +41,6 @@ from ddtree_jax.pallas.draft_topk import api as draft_topk
 from ddtree_jax.sampling import check_float32_positive
 
 MAX_BUDGET = 1024
-TOP_K_CHUNK = 256
-"""`top_k` over more than 2 x this many entries runs in two stages (0: one `lax.top_k`). Also for
-k <= 16: on an H100 (session 49, docs/benchmarks.md) one `lax.top_k` made DDTree(12)'s tree
-0.111 ms a call against 0.035 in two stages, and its round 0.751 ms against 0.661."""
-RANK_TOP_K_MAX = 0
-"""`top_k` ranks rows of at most this many entries by comparing every pair
-(`topk.rank_top_k`, the same result) instead of sorting them (0: always sort). On the GPU each
-sort is a kernel of its own, three a DDTree(12) round at 5.6-5.8 us each on an H100 (session
-43). Off: on an H100 (session 47, docs/benchmarks.md) ranking at 1024 made DDTree(32)'s tree
-0.62 ms a call against 0.05 ms sorted, and each program 50 s to compile. On the CPU too the
-O(n^2) comparisons cost more than the sort."""
 # Enumerate eligible rank paths up to this many (a [P, D] int32 constant in the program).
 MAX_ENUMERATED_PATHS = 1 << 15
 
@@ -246,7 +235,7 @@ def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
         score = score + lp[:, j, cols[:, j]]
     score = jnp.where(jnp.asarray(ranks[:, 0] >= 0), score, -jnp.inf)
     # Stable: equal scores keep lexicographic order, which is the pop order's tie-break.
-    node_score, order = top_k(score, budget)
+    node_score, order = topk.chunked_top_k(score, budget)
     return _finish(
         roots,
         top_tok,
@@ -314,29 +303,6 @@ def _build_beam(top_lp, top_tok, roots, budget) -> DraftTree:
     )
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` over the last axis, the same values and indices, in two stages.
-
-    On the GPU XLA runs `lax.top_k` with k > 16 as a sort of the whole row (32 us for
-    the [15, 8192] drafter log-probs on an H200). Here each chunk of `TOP_K_CHUNK`
-    entries keeps its top k, then one top k picks among those. Ties keep the lower
-    index first, as `lax.top_k` does: within a chunk by its stable order, across chunks
-    because the survivors are laid out chunk by chunk. Padding (-inf, past the end)
-    comes after every real entry and is never picked while k <= n. Each stage over at most
-    `RANK_TOP_K_MAX` entries ranks them instead of sorting.
-    """
-    n, c = x.shape[-1], TOP_K_CHUNK
-    if not 0 < k <= c or n <= 2 * c:
-        return topk.top_k(x, k, RANK_TOP_K_MAX)
-    m = -(-n // c)
-    lead = x.shape[:-1]
-    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, m * c - n)], constant_values=-jnp.inf)
-    part, local = topk.top_k(padded.reshape(*lead, m, c), k, RANK_TOP_K_MAX)  # [..., m, k]
-    index = (local + c * jnp.arange(m, dtype=local.dtype)[:, None]).reshape(*lead, m * k)
-    values, pick = topk.top_k(part.reshape(*lead, m * k), k, RANK_TOP_K_MAX)
-    return values, jnp.take_along_axis(index, pick, axis=-1)
-
-
 def build_ddtree(
     draft_logits: jax.Array,
     roots: jax.Array,
@@ -359,7 +325,7 @@ def build_ddtree(
         which tokens are accepted is the target's choice either way. A float32 scalar
         array is taken as it is (traced: one program for every value; `generate` checks it).
       implementation: the per-depth log-softmax top-K's (`pallas.draft_topk`: "auto" takes its
-        kernel on a GPU for K <= 16, "xla" the chunked `top_k` here).
+        kernel on a GPU for K <= 16, "xla" `topk.chunked_top_k`).
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -380,10 +346,8 @@ def build_ddtree(
         raise ValueError(f"budget {budget} at depth {d} has more than {MAX_ENUMERATED_PATHS} eligible paths")
     with jax.named_scope("build_tree"):
         scale = jnp.asarray(temperature, jnp.float32) if traced or temperature != 1.0 else None
-        if draft_topk.uses_kernel(implementation, v, k):
-            top_lp, top_tok = draft_topk.log_softmax_top_k(draft_logits, k, scale, implementation=implementation)
-        else:  # [B, D, K], ranks sorted descending
-            top_lp, top_tok = top_k(draft_topk.log_probs(draft_logits, scale), k)
+        # [B, D, K], ranks sorted descending
+        top_lp, top_tok = draft_topk.log_softmax_top_k(draft_logits, k, scale, implementation=implementation)
         if paths is not None:
             return _build_enumerated(top_lp, top_tok, roots, budget, paths)
         return _build_beam(top_lp, top_tok, roots, budget)

@@ -14,7 +14,7 @@ def add_argument(ap: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         metavar="MODULE.NAME=VALUE",
-        help="override module constants first, e.g. ddtree_jax.tree.TOP_K_CHUNK=0 (before / after runs)",
+        help="override module constants first, e.g. ddtree_jax.topk.TOP_K_CHUNK=0 (before / after runs)",
     )
 
 

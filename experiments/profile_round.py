@@ -21,7 +21,7 @@ separate in-loop measurements cannot move.
 round's cost does not depend on which tokens come).
 `--set MODULE.NAME=VALUE` overrides a module constant first, so one call can profile a
 change on and off, e.g.
-`--set ddtree_jax.generate.HOIST_LOOP_INVARIANTS=False ddtree_jax.tree.TOP_K_CHUNK=0`.
+`--set ddtree_jax.generate.HOIST_LOOP_INVARIANTS=False ddtree_jax.topk.TOP_K_CHUNK=0`.
 """
 
 from __future__ import annotations

@@ -44,6 +44,20 @@ def test_kernel_matches_reference(r, v, k, temperature, one_pass):
     _same(got, log_softmax_top_k_reference(x, k, t))
 
 
+@pytest.mark.parametrize("v, k", [(8192, 12), (1000, 32), (600, 1), (37, 37)])
+def test_xla_path_is_the_reference(v, k):
+    """The dispatch's XLA path (two stages of sorts where the row is long) gives the reference's
+    ids and values exactly, ties and -inf included."""
+    x = np.array(_rows(v + k, 6, v, step=1 / 2))
+    x[0, : v // 3] = -np.inf
+    x = jnp.asarray(x).reshape(2, 3, v)
+    got = api.log_softmax_top_k(x, k, jnp.float32(0.8), implementation="xla")
+    want = log_softmax_top_k_reference(x, k, jnp.float32(0.8))
+    assert got[1].shape == (2, 3, k) and got[1].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
 def test_infinities_and_nan_rank_as_top_k_does():
     """-inf entries (tokens the drafter rules out) rank last, ties to the lower id, even when K
     reaches into them; a row with a NaN ranks it first, as `lax.top_k` does, and comes out NaN."""

@@ -1,10 +1,12 @@
-"""`topk.rank_top_k` against `lax.top_k`: values, indices and order, ties and non-finite values."""
+"""`topk.rank_top_k` and `topk.chunked_top_k` against `lax.top_k`: values, indices and order, ties
+and non-finite values."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax import topk
 from ddtree_jax.topk import rank_top_k
 
 
@@ -39,3 +41,20 @@ def test_rank_top_k_breaks_ties_toward_the_lower_index():
 def test_rank_top_k_rejects_k_outside_the_row(k):
     with pytest.raises(ValueError, match=f"k must be in \\[1, 4\\] for rows of 4, got {k}"):
         rank_top_k(jnp.zeros((2, 4)), k)
+
+
+@pytest.mark.parametrize("rank_max", [0, 1024])
+@pytest.mark.parametrize(("n", "k"), [(600, 32), (8192, 32), (3576, 64), (513, 256), (1000, 1), (166, 12)])
+def test_chunked_top_k_is_lax_top_k(n, k, rank_max, monkeypatch):
+    """Same values and indices as one `lax.top_k`, ties (few distinct values) and -inf included,
+    with the stages sorted (rank_max 0, the default) or ranked."""
+    monkeypatch.setattr(topk, "RANK_TOP_K_MAX", rank_max)
+    rng = np.random.default_rng(n + k)
+    x = np.round(rng.normal(size=(3, 2, n)) * 2) / 2  # ~15 distinct values: many ties
+    x[0, 0, rng.integers(0, n, n // 3)] = -np.inf
+    x[1, 1, :] = -np.inf  # a row of ties only
+    x = jnp.asarray(x, jnp.float32)
+    want = jax.lax.top_k(x, k)
+    got = topk.chunked_top_k(x, k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_jax import tree
+from ddtree_jax import topk, tree
 
 build = jax.jit(tree.build_ddtree, static_argnums=2, static_argnames="method")
 METHODS = ("enumerate", "beam")
@@ -230,23 +230,6 @@ def test_bad_tree_temperature(temperature, error):
         tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), 2, temperature=temperature)
 
 
-@pytest.mark.parametrize("rank_max", [0, 1024])
-@pytest.mark.parametrize(("n", "k"), [(600, 32), (8192, 32), (3576, 64), (513, 256), (1000, 1), (166, 12)])
-def test_two_stage_top_k_is_lax_top_k(n, k, rank_max, monkeypatch):
-    """Same values and indices as one `lax.top_k`, ties (few distinct values) and -inf included,
-    with the stages sorted (rank_max 0, the default) or ranked."""
-    monkeypatch.setattr(tree, "RANK_TOP_K_MAX", rank_max)
-    rng = np.random.default_rng(n + k)
-    x = np.round(rng.normal(size=(3, 2, n)) * 2) / 2  # ~15 distinct values: many ties
-    x[0, 0, rng.integers(0, n, n // 3)] = -np.inf
-    x[1, 1, :] = -np.inf  # a row of ties only
-    x = jnp.asarray(x, jnp.float32)
-    want = jax.lax.top_k(x, k)
-    got = tree.top_k(x, k)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-
-
 @pytest.mark.parametrize("budget", [12, 32])
 def test_ranked_top_k_builds_the_same_tree(budget, monkeypatch):
     """`build_ddtree` with its top-k stages ranked (`RANK_TOP_K_MAX`) gives the sorted stages'
@@ -255,7 +238,7 @@ def test_ranked_top_k_builds_the_same_tree(budget, monkeypatch):
     logits = jnp.asarray(np.round(rng.normal(size=(2, 15, 1000)) * 4) / 4, jnp.float32)
     roots = jnp.asarray([5, 7], jnp.int32)
     want = tree.build_ddtree(logits, roots, budget)
-    monkeypatch.setattr(tree, "RANK_TOP_K_MAX", 1024)
+    monkeypatch.setattr(topk, "RANK_TOP_K_MAX", 1024)
     got = tree.build_ddtree(logits, roots, budget)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -6,7 +6,7 @@ import jax
 
 from ddtree_jax.pallas import runs_unpartitioned_kernel
 from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles, log_softmax_top_k_pallas, takes
-from ddtree_jax.pallas.draft_topk.reference import log_probs, log_softmax_top_k_reference
+from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_xla
 
 AUTO_KERNEL = True
 """Whether "auto" takes the kernel on a GPU (False: the XLA path, for before / after runs:
@@ -17,7 +17,7 @@ AUTO_MAX_K = 16
 """"auto" takes the kernel for at most this many ranks: its selection costs two reductions of
 the row a rank, where XLA's sorts cost the same for any K."""
 
-__all__ = ["DraftTopKTiles", "log_probs", "log_softmax_top_k", "uses_kernel"]
+__all__ = ["DraftTopKTiles", "log_softmax_top_k", "uses_kernel"]
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 """"mosaic" has no kernel of its own here: it takes the XLA path."""
@@ -47,7 +47,7 @@ def log_softmax_top_k(
       k: ranks kept, 1..V.
       temperature: None (the logits as they are), or a float32 scalar the logits are divided
         by first (`sampling.scaled_logits`).
-      implementation: "xla" (reference.py), "pallas" (the Triton-lowered kernel; the CPU
+      implementation: "xla" (`reference.log_softmax_top_k_xla`), "pallas" (the Triton-lowered kernel; the CPU
         interprets it), "auto" (`uses_kernel`), or "mosaic" (XLA).
       tiles: the kernel's `DraftTopKTiles` (None: the defaults).
 
@@ -59,7 +59,7 @@ def log_softmax_top_k(
     if not 1 <= k <= v:
         raise ValueError(f"draft_topk: k must be in [1, {v}] for rows of {v} logits, got {k}")
     if not uses_kernel(implementation, v, k):
-        return log_softmax_top_k_reference(logits, k, temperature)
+        return log_softmax_top_k_xla(logits, k, temperature)
     values, ids = log_softmax_top_k_pallas(
         logits.reshape(-1, v),
         temperature,

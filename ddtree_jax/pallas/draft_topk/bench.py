@@ -4,8 +4,8 @@
     python -m ddtree_jax.pallas.draft_topk.bench --smoke    # CPU: shrunken shapes, interpret mode
 
 Shapes: `pallas/shapes.py` (DRAFT_TOPK_SHAPES), float32 logits scaled by a temperature of 0.8
-(the CLI's default tree temperature at T = 0). "xla" is the tree's own path (`tree.top_k`: a
-softmax kernel and chunked sorts), "reference" one `lax.top_k` of the row, "pallas_one_pass" the
+(the CLI's default tree temperature at T = 0). "xla" is the dispatch's XLA path (a softmax kernel and
+`topk.chunked_top_k`'s sorts), "reference" one `lax.top_k` of the row, "pallas_one_pass" the
 kernel with `DraftTopKTiles(one_pass=True)`. Times are device time
 from a profiler trace (`bench_util.device_time`; "wall" where the backend gives none). Bytes:
 the logits read once. Every output is checked against the reference: the ids must match and
@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import tree
 from ddtree_jax.pallas.bench_util import device_time, table_row
 from ddtree_jax.pallas.draft_topk import api
 from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles
-from ddtree_jax.pallas.draft_topk.reference import log_probs, log_softmax_top_k_reference
+from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
 from ddtree_jax.pallas.shapes import DRAFT_TOPK_SHAPES, DraftTopKShape
 
 TOLERANCE = 1e-5
@@ -41,7 +40,7 @@ def runs(k: int) -> dict:
     """Each implementation as a jitted function of (logits, temperature)."""
     return {
         "reference": jax.jit(lambda x, t: log_softmax_top_k_reference(x, k, t)),
-        "xla": jax.jit(lambda x, t: tree.top_k(log_probs(x, t), k)),
+        "xla": jax.jit(lambda x, t: api.log_softmax_top_k(x, k, t, implementation="xla")),
         "pallas": jax.jit(lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas")),
         "pallas_one_pass": jax.jit(
             lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas", tiles=DraftTopKTiles(one_pass=True))

@@ -1,4 +1,4 @@
-"""The drafter's log-probabilities' top k, the float32 reference (and the dispatch's XLA path).
+"""The drafter's log-probabilities' top k: the float32 reference and the dispatch's XLA path.
 
 Notation: R rows (batch x drafted depths), V vocabulary, K ranks kept (K <= V).
 
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.sampling import scaled_logits
+from ddtree_jax.topk import chunked_top_k
 
 
 def log_probs(logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
@@ -29,4 +30,13 @@ def log_softmax_top_k_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """(values [..., K] float32, ids [..., K] int32): the top K of `log_probs(logits, temperature)`."""
     values, ids = jax.lax.top_k(log_probs(logits, temperature), k)
+    return values, ids.astype(jnp.int32)
+
+
+def log_softmax_top_k_xla(
+    logits: jax.Array, k: int, temperature: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The reference's result, the top K taken by `topk.chunked_top_k` (two stages of sorts:
+    on the GPU one `lax.top_k` of a long row costs more)."""
+    values, ids = chunked_top_k(log_probs(logits, temperature), k)
     return values, ids.astype(jnp.int32)
