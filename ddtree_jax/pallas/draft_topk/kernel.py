@@ -40,12 +40,13 @@ class DraftTopKTiles:
       num_warps, num_stages: Triton launch parameters.
       one_pass: select each rank with one argmax reduction (ties to the lower id, as Pallas
         lowers it) and read the K values back from the logits after, instead of a max and a min
-        reduction a rank. Not yet timed on a GPU: off.
+        reduction a rank (on an H100, session 52: 15.6 us against 16.4 for 15 x 8192 rows at
+        K = 12, 31.0 against 33.0 at K = 32; the same ids and values).
     """
 
     num_warps: int = 8
     num_stages: int = 1
-    one_pass: bool = False
+    one_pass: bool = True
 
     def __post_init__(self):
         check_compiler(self.num_warps, self.num_stages)

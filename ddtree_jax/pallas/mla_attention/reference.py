@@ -19,13 +19,16 @@ from ddtree_jax.layers import einsum
 MASK_VALUE = -1e30
 """Finite, so that a row with no visible key gives uniform weights, never NaN."""
 
-JOIN_MAX_BYTES = 0
+JOIN_MAX_BYTES = 4 << 20
 """`mla_attention_xla` attends a call of several new tokens over the cache and the new keys
 joined into one key stream ([B, S + T, R] and [B, S + T, P], a copy of the cache) when the
 cache takes at most this many bytes: the score and value GEMMs of the cache and of the new keys,
-and the concatenation of their scores, become one GEMM each. A verify of the shipped target ran
-them as 6 GEMMs and a concatenation in each of its 8 layers, an AR step as 3 (session 51's stage
-profile). 0: never (not yet timed on a GPU)."""
+and the concatenation of their scores, become one GEMM each (a verify of the shipped target ran
+them as 6 GEMMs and a concatenation in each of its 8 layers; session 51's stage profile). On an
+H100 (session 52, docs/benchmarks.md) it cut the shipped pair's verify12 from 0.593 to 0.539 ms
+and a DDTree(12) round from 1.578 to 1.429 AR steps (caches of at most 1 MiB there). The bound
+keeps the copy small (at 4 MiB, about 3 us of an H100's bandwidth a layer): a long context's
+cache, which the split pass reads once, is not copied. 0: never."""
 
 
 def _scores(q_lat, q_pe, ckv, kpe, scale: float) -> jax.Array:
