@@ -47,8 +47,8 @@ def log_softmax_top_k(
       k: ranks kept, 1..V.
       temperature: None (the logits as they are), or a float32 scalar the logits are divided
         by first (`sampling.scaled_logits`).
-      implementation: "xla" (`reference.log_softmax_top_k_xla`), "pallas" (the Triton-lowered kernel; the CPU
-        interprets it), "auto" (`uses_kernel`), or "mosaic" (XLA).
+      implementation: "xla" (`reference.log_softmax_top_k_xla`), "pallas" (the Triton-lowered
+        kernel; the CPU interprets it), "auto" (`uses_kernel`), or "mosaic" (XLA).
       tiles: the kernel's `DraftTopKTiles` (None: the defaults).
 
     Returns:

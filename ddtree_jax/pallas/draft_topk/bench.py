@@ -3,13 +3,13 @@
     python -m ddtree_jax.pallas.draft_topk.bench            # GPU: every shape, xla and pallas
     python -m ddtree_jax.pallas.draft_topk.bench --smoke    # CPU: shrunken shapes, interpret mode
 
-Shapes: `pallas/shapes.py` (DRAFT_TOPK_SHAPES), float32 logits scaled by a temperature of 0.8
-(the CLI's default tree temperature at T = 0). "xla" is the dispatch's XLA path (a softmax kernel and
-`topk.chunked_top_k`'s sorts), "reference" one `lax.top_k` of the row, "pallas_one_pass" the
-kernel with `DraftTopKTiles(one_pass=True)`. Times are device time
-from a profiler trace (`bench_util.device_time`; "wall" where the backend gives none). Bytes:
-the logits read once. Every output is checked against the reference: the ids must match and
-the values agree to 1e-5; a mismatch fails the run.
+Shapes: `pallas/shapes.py` (DRAFT_TOPK_SHAPES), float32 logits scaled by a temperature of 0.8 (the
+CLI's default tree temperature at T = 0). "xla" is the dispatch's XLA path (a softmax kernel and
+`topk.chunked_top_k`'s sorts), "reference" one `lax.top_k` of the row, "pallas" the kernel with
+`DraftTopKTiles(one_pass=False)`, "pallas_one_pass" with the default tiles (`one_pass=True`). Times
+are device time from a profiler trace (`bench_util.device_time`; "wall" where the backend gives
+none). Bytes: the logits read once. Every output is checked against the reference: the ids must
+match and the values agree to 1e-5; a mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def runs(k: int) -> dict:
     return {
         "reference": jax.jit(lambda x, t: log_softmax_top_k_reference(x, k, t)),
         "xla": jax.jit(lambda x, t: api.log_softmax_top_k(x, k, t, implementation="xla")),
-        "pallas": jax.jit(lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas")),
+        "pallas": jax.jit(
+            lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas", tiles=DraftTopKTiles(one_pass=False))
+        ),
         "pallas_one_pass": jax.jit(
             lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas", tiles=DraftTopKTiles(one_pass=True))
         ),
