@@ -13,6 +13,10 @@ from ddtree_jax.pallas.draft_topk import api
 from ddtree_jax.pallas.draft_topk.kernel import MAX_VOCAB, DraftTopKTiles, log_softmax_top_k_pallas, takes
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
 
+TILES = [DraftTopKTiles(one_pass=False), DraftTopKTiles(), DraftTopKTiles(chunk=64, num_warps=2)]
+"""Each selection: a row a program with two reductions a rank or one, or chunks of 64 (raised to
+Kp) merged by a second launch (`chunk`; 1000 entries: 16 chunks, 37: one)."""
+
 
 def _rows(seed, r, v, step=1 / 8):
     """Logits [R, V] on a grid of `step`, so that rows hold exact ties."""
@@ -35,11 +39,11 @@ def _same(got, want):
         (1, 64, 1, None),  # the argmax
     ],
 )
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_kernel_matches_reference(r, v, k, temperature, one_pass):
+@pytest.mark.parametrize("tiles", TILES, ids=["two_reductions", "one_pass", "chunks"])
+def test_kernel_matches_reference(r, v, k, temperature, tiles):
     x = _rows(r + v + k, r, v)
     t = None if temperature is None else jnp.float32(temperature)
-    got = log_softmax_top_k_pallas(x, t, k=k, tiles=DraftTopKTiles(one_pass=one_pass), interpret=True)
+    got = log_softmax_top_k_pallas(x, t, k=k, tiles=tiles, interpret=True)
     assert got[0].shape == got[1].shape == (r, k) and got[1].dtype == jnp.int32
     _same(got, log_softmax_top_k_reference(x, k, t))
 
@@ -68,8 +72,8 @@ def test_infinities_and_nan_rank_as_top_k_does():
     x[2, 17] = np.nan
     x = jnp.asarray(x)
     want = log_softmax_top_k_reference(x, 6)
-    for one_pass in (False, True):
-        got = log_softmax_top_k_pallas(x, None, k=6, tiles=DraftTopKTiles(one_pass=one_pass), interpret=True)
+    for tiles in (*TILES, DraftTopKTiles(chunk=8)):  # 8 chunks: the finite entries in three
+        got = log_softmax_top_k_pallas(x, None, k=6, tiles=tiles, interpret=True)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # NaN == NaN, -inf == -inf
         assert np.asarray(got[1])[0].tolist() == [9, 5, 40, 0, 1, 2]
@@ -92,6 +96,9 @@ def test_dispatch_takes_and_bad_k():
         api.log_softmax_top_k(x, 2, implementation="cuda")
     with pytest.raises(ValueError, match="num_warps"):
         DraftTopKTiles(num_warps=3)
+    for chunk in (-1, 96, True, 64.0):
+        with pytest.raises(ValueError, match=f"chunk must be 0 or a power of two, got {chunk!r}"):
+            DraftTopKTiles(chunk=chunk)
     # Leading axes kept: [B, D, V] -> [B, D, K].
     lead = _rows(1, 6, 64).reshape(2, 3, 64)
     got = api.log_softmax_top_k(lead, 4, jnp.float32(0.7), implementation="pallas")
@@ -99,11 +106,15 @@ def test_dispatch_takes_and_bad_k():
     _same(got, log_softmax_top_k_reference(lead, 4, jnp.float32(0.7)))
 
 
-@pytest.mark.parametrize("budget, method", [(12, "enumerate"), (16, "beam"), (5, "auto")])
-def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method):
-    """`build_ddtree` with the kernel's ranks: the same tree as on XLA's chunked top-K (traced
-    and fixed tree temperatures). Continuous logits: where two paths' summed log-probabilities
-    tie exactly, the kernel's last-bit rounding may order them the other way (kernel.py)."""
+@pytest.mark.parametrize(
+    "budget, method, chunk", [(12, "enumerate", 0), (16, "beam", 0), (5, "auto", 0), (12, "auto", 128)]
+)
+def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method, chunk, monkeypatch):
+    """`build_ddtree` with the kernel's ranks (a program a row, or `api.CHUNK`'s two launches):
+    the same tree as on XLA's chunked top-K (traced and fixed tree temperatures). Continuous
+    logits: where two paths' summed log-probabilities tie exactly, the kernel's last-bit rounding
+    may order them the other way (kernel.py)."""
+    monkeypatch.setattr(api, "CHUNK", chunk)
     logits = jnp.asarray(3.0 * np.random.default_rng(budget).normal(size=(2, 15, 1024)), jnp.float32)
     roots = jnp.asarray([3, 7], jnp.int32)
     for temperature in (1.0, 0.8, jnp.float32(0.6)):
@@ -118,5 +129,11 @@ def test_bench_smoke(capsys):
 
     bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_budget12"])
     out = capsys.readouterr().out
-    for impl in ("reference", "xla", "pallas", "pallas_one_pass"):
+    for impl in (
+        "reference",
+        "xla",
+        "pallas",
+        "pallas_one_pass",
+        *(f"pallas_chunks{c}_w{w}" for c, w in bench.CHUNKED),
+    ):
         assert f"| shipped_budget12 | {impl} |" in out

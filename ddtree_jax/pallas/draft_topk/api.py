@@ -17,6 +17,15 @@ AUTO_MAX_K = 16
 """"auto" takes the kernel for at most this many ranks: its selection costs two reductions of
 the row a rank, where XLA's sorts cost the same for any K."""
 
+CHUNK = 0
+"""The kernel's tiles when none are given: 0, `DraftTopKTiles()` (a program a row); else
+`DraftTopKTiles(chunk=CHUNK, num_warps=CHUNK_WARPS)` (two launches, a program a chunk). Not yet
+timed on a GPU: 0. Read when a program is traced (`--set ddtree_jax.pallas.draft_topk.api.CHUNK=512`
+for before / after runs; with `AUTO_MAX_K=32` also for DDTree(32)'s tree)."""
+
+CHUNK_WARPS = 2
+"""Warps of each program of the two launches of `CHUNK`."""
+
 __all__ = ["DraftTopKTiles", "log_softmax_top_k", "uses_kernel"]
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
@@ -49,7 +58,7 @@ def log_softmax_top_k(
         by first (`sampling.scaled_logits`).
       implementation: "xla" (`reference.log_softmax_top_k_xla`), "pallas" (the Triton-lowered
         kernel; the CPU interprets it), "auto" (`uses_kernel`), or "mosaic" (XLA).
-      tiles: the kernel's `DraftTopKTiles` (None: the defaults).
+      tiles: the kernel's `DraftTopKTiles` (None: `CHUNK`'s).
 
     Returns:
       (values [..., K] float32 log-probabilities, descending; ids [..., K] int32), ties to the
@@ -64,7 +73,7 @@ def log_softmax_top_k(
         logits.reshape(-1, v),
         temperature,
         k=k,
-        tiles=tiles or DraftTopKTiles(),
+        tiles=tiles or (DraftTopKTiles(chunk=CHUNK, num_warps=CHUNK_WARPS) if CHUNK else DraftTopKTiles()),
         interpret=jax.default_backend() != "gpu",
     )
     return values.reshape(*lead, k), ids.reshape(*lead, k)

@@ -6,7 +6,8 @@
 Shapes: `pallas/shapes.py` (DRAFT_TOPK_SHAPES), float32 logits scaled by a temperature of 0.8 (the
 CLI's default tree temperature at T = 0). "xla" is the dispatch's XLA path (a softmax kernel and
 `topk.chunked_top_k`'s sorts), "reference" one `lax.top_k` of the row, "pallas" the kernel with
-`DraftTopKTiles(one_pass=False)`, "pallas_one_pass" with the default tiles (`one_pass=True`). Times
+`DraftTopKTiles(one_pass=False)`, "pallas_one_pass" with the default tiles (`one_pass=True`),
+"pallas_chunksC_wW" two launches over chunks of C entries with W warps (`CHUNKED`). Times
 are device time from a profiler trace (`bench_util.device_time`; "wall" where the backend gives
 none). Bytes: the logits read once. Every output is checked against the reference: the ids must
 match and the values agree to 1e-5; a mismatch fails the run.
@@ -25,6 +26,9 @@ from ddtree_jax.pallas.draft_topk import api
 from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
 from ddtree_jax.pallas.shapes import DRAFT_TOPK_SHAPES, DraftTopKShape
+
+CHUNKED = ((512, 2), (256, 1), (1024, 4))
+"""(chunk, num_warps) of the two-launch kernel's rows (`DraftTopKTiles.chunk`)."""
 
 TOLERANCE = 1e-5
 """Largest difference of a kept log-probability from the reference's (float32 sums)."""
@@ -47,6 +51,14 @@ def runs(k: int) -> dict:
         "pallas_one_pass": jax.jit(
             lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas", tiles=DraftTopKTiles(one_pass=True))
         ),
+        **{
+            f"pallas_chunks{c}_w{w}": jax.jit(
+                lambda x, t, c=c, w=w: api.log_softmax_top_k(
+                    x, k, t, implementation="pallas", tiles=DraftTopKTiles(chunk=c, num_warps=w)
+                )
+            )
+            for c, w in CHUNKED
+        },
     }
 
 
