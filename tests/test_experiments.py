@@ -442,6 +442,26 @@ def test_bench_tree_times_both_builders(tmp_path):
     assert rows[0]["paths"] > 8 and all(r["build_ms"] > 0 for r in rows)
 
 
+def test_ab_pairs_runs_each_variant_in_its_process_and_resumes(tiny_pair, tmp_path):
+    """Two variants (none, and a setting), each in a process of its own: a row each with the
+    pairs' ratio at the budget; a bad setting is reported and written nowhere; a second run
+    with the same --out skips what it holds."""
+    out = tmp_path / "ab.json"
+    common = ("--checkpoints", tiny_pair, "--budgets", 4, "--pairs", 1, "--context", 8, "--loop-tokens", 4)
+    variants = ("--variants", "", "ddtree_jax.tree.RANK_PATHS_MAX=64", "ddtree_jax.tree.NO_SUCH=1")
+    proc = run_script("ab_pairs.py", *common, "--dtype", "float32", *variants, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["", "ddtree_jax.tree.RANK_PATHS_MAX=64"]
+    for r in rows:
+        (b,) = r["budgets"]
+        assert b["budget"] == 4 and b["pairs"] == 1 and math.isfinite(b["paired_round_in_loop_ms"])
+    assert "ddtree_jax.tree has no constant NO_SUCH" in proc.stdout
+    again = run_script("ab_pairs.py", *common, "--dtype", "float32", "--variants", "", "--out", out)
+    assert again.returncode == 0 and "(none): in" in again.stdout, again.stderr[-3000:]
+    assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     out = tmp_path / "profile.json"
     res = run_script(
