@@ -223,8 +223,9 @@ def _finish(roots, top_tok, order, n_candidates, node_ranks, node_depth, node_pa
     return _assemble(roots, node_tok, parents, node_depth, valid, jnp.all(prefix, axis=-1), d)
 
 
-def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
-    """Scores every eligible path (`_eligible_paths`) and keeps a stable top-`budget`."""
+def _build_enumerated(top_lp, top_tok, roots, budget, paths, implementation: str) -> DraftTree:
+    """Scores every eligible path (`_eligible_paths`) and keeps a stable top-`budget` (by
+    `RANK_PATHS_MAX`'s ranks, or `draft_topk.top_k`'s `implementation`)."""
     ranks, depth, parent = paths
     _, d, k = top_lp.shape
     if len(depth) < budget:  # tiny vocab / depth: fewer paths than the budget, pad with -inf
@@ -240,8 +241,10 @@ def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
         score = score + lp[:, j, cols[:, j]]
     score = jnp.where(jnp.asarray(ranks[:, 0] >= 0), score, -jnp.inf)
     # Stable: equal scores keep lexicographic order, which is the pop order's tie-break.
-    pick = topk.rank_top_k if score.shape[1] <= RANK_PATHS_MAX else topk.chunked_top_k
-    node_score, order = pick(score, budget)
+    if score.shape[1] <= RANK_PATHS_MAX:
+        node_score, order = topk.rank_top_k(score, budget)
+    else:
+        node_score, order = draft_topk.top_k(score, budget, implementation=implementation)
     return _finish(
         roots,
         top_tok,
@@ -330,8 +333,9 @@ def build_ddtree(
         drafter's distributions as they are; below 1 sharper). It shapes the tree only:
         which tokens are accepted is the target's choice either way. A float32 scalar
         array is taken as it is (traced: one program for every value; `generate` checks it).
-      implementation: the per-depth log-softmax top-K's (`pallas.draft_topk`: "auto" takes its
-        kernel on a GPU for K <= 16, "xla" `topk.chunked_top_k`).
+      implementation: the per-depth log-softmax top-K's and the enumerated tree's choice among
+        its paths (`pallas.draft_topk`: "auto" takes the first's kernel on a GPU for K <= 16,
+        the second's where `draft_topk.api.AUTO_PATHS` is on; "xla" `topk.chunked_top_k`).
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -355,5 +359,5 @@ def build_ddtree(
         # [B, D, K], ranks sorted descending
         top_lp, top_tok = draft_topk.log_softmax_top_k(draft_logits, k, scale, implementation=implementation)
         if paths is not None:
-            return _build_enumerated(top_lp, top_tok, roots, budget, paths)
+            return _build_enumerated(top_lp, top_tok, roots, budget, paths, implementation)
         return _build_beam(top_lp, top_tok, roots, budget)

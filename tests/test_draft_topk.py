@@ -10,7 +10,15 @@ import pytest
 
 from ddtree_jax import tree
 from ddtree_jax.pallas.draft_topk import api
-from ddtree_jax.pallas.draft_topk.kernel import MAX_VOCAB, DraftTopKTiles, log_softmax_top_k_pallas, takes
+from ddtree_jax.pallas.draft_topk.kernel import (
+    MAX_ROW,
+    MAX_ROW_K,
+    MAX_VOCAB,
+    DraftTopKTiles,
+    log_softmax_top_k_pallas,
+    takes,
+    takes_row,
+)
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
 
 TILES = [DraftTopKTiles(one_pass=False), DraftTopKTiles(), DraftTopKTiles(chunk=64, num_warps=2)]
@@ -79,8 +87,31 @@ def test_infinities_and_nan_rank_as_top_k_does():
         assert np.asarray(got[1])[0].tolist() == [9, 5, 40, 0, 1, 2]
 
 
+@pytest.mark.parametrize("n, k", [(166, 12), (3576, 32), (397, 16), (37, 37), (1000, 1)])
+def test_top_k_of_rows_is_lax_top_k(n, k):
+    """`top_k` (the enumerated tree's choice among its paths) on the kernel, in interpret mode:
+    lax.top_k's values, ids and order, with heavy ties, -inf, +-0.0 and NaN; XLA's path too."""
+    rng = np.random.default_rng(n + k)
+    x = np.round(rng.normal(size=(3, n)) * 2) / 2
+    x[0, : n // 3] = -np.inf
+    x[1, rng.integers(0, n, 4)] = -0.0
+    x[2, rng.integers(0, n, 2)] = np.nan
+    x = jnp.asarray(x, jnp.float32)
+    want = jax.lax.top_k(x, k)
+    for implementation in ("pallas", "xla"):
+        got = api.top_k(x.reshape(1, 3, n), k, implementation=implementation)
+        assert got[0].shape == (1, 3, k) and got[0].dtype == jnp.float32 and got[1].dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got[1])[0], np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0])[0].view(np.int32), np.asarray(want[0]).view(np.int32))
+
+
 def test_dispatch_takes_and_bad_k():
     assert takes(8192, 12) and takes(MAX_VOCAB, 1)
+    assert takes_row(MAX_ROW, MAX_ROW_K) and not takes_row(MAX_ROW + 1, 1) and not takes_row(4096, MAX_ROW_K + 1)
+    assert not api.uses_kernel("auto", 8192, 12) and api.AUTO_PATHS is False
+    for k in (0, 7):
+        with pytest.raises(ValueError, match=f"k must be in \\[1, 6\\] for rows of 6, got {k}"):
+            api.top_k(jnp.zeros((2, 6)), k, implementation="pallas")
     assert not takes(MAX_VOCAB + 1, 12) and not takes(8, 9) and not takes(8192, 0)
     assert api.uses_kernel("pallas", 8192, 32)
     assert not api.uses_kernel("auto", 8192, 12)  # the CPU
@@ -107,11 +138,13 @@ def test_dispatch_takes_and_bad_k():
 
 
 @pytest.mark.parametrize(
-    "budget, method, chunk", [(12, "enumerate", 0), (16, "beam", 0), (5, "auto", 0), (12, "auto", 128)]
+    "budget, method, chunk",
+    [(12, "enumerate", 0), (16, "beam", 0), (5, "auto", 0), (12, "auto", 128), (32, "enumerate", 0)],
 )
 def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method, chunk, monkeypatch):
-    """`build_ddtree` with the kernel's ranks (a program a row, or `api.CHUNK`'s two launches):
-    the same tree as on XLA's chunked top-K (traced and fixed tree temperatures). Continuous
+    """`build_ddtree` with the kernel's ranks (a program a row, or `api.CHUNK`'s two launches) and,
+    where it enumerates, its choice among the paths on `api.top_k`'s kernel (166 paths at budget
+    12, 3576 at 32): the same tree as on XLA's top-Ks (traced and fixed tree temperatures). Continuous
     logits: where two paths' summed log-probabilities tie exactly, the kernel's last-bit rounding
     may order them the other way (kernel.py)."""
     monkeypatch.setattr(api, "CHUNK", chunk)
@@ -127,8 +160,10 @@ def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method, chunk, monk
 def test_bench_smoke(capsys):
     from ddtree_jax.pallas.draft_topk import bench
 
-    bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_budget12"])
+    bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_budget12", "paths_budget12"])
     out = capsys.readouterr().out
+    for impl in ("reference", "xla", "pallas", "rank"):
+        assert f"| paths_budget12 | {impl} |" in out
     for impl in (
         "reference",
         "xla",

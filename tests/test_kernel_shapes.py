@@ -278,6 +278,19 @@ def test_draft_topk_kernel_on_named_shapes(name):
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, n, k", [(1, 166, 12), (8, 3576, 32), (1, 1 << 15, 64)])
+def test_path_top_k_kernel_lowers_for_the_gpu(rows, n, k):
+    """The enumerated tree's choice among its paths (`top_k_pallas`: budget 12's 166 paths, 32's
+    3576 at batch 8, the longest row and most ranks it takes) to Triton IR: two launches, the
+    first a program a chunk of 512."""
+    from ddtree_jax.pallas.draft_topk.kernel import top_k_pallas
+
+    fn = functools.partial(top_k_pallas, k=k)
+    text = _triton_lowered_for_cuda(fn, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    chunks = pl.next_power_of_2(n) // min(pl.next_power_of_2(n), 512)
+    assert text.count("xla.gpu.triton") == 2 and f"grid_x = {rows} : i32" in text and f"grid_y = {chunks} : i32" in text
+
+
 @pytest.mark.parametrize("name", [*DRAFT_TOPK_SHAPES, "tiny_vocab", "longest_row"])
 def test_draft_topk_kernel_lowers_for_the_gpu(name):
     """The drafter's top-K kernel at full size to Triton IR, a program a row (both selections)

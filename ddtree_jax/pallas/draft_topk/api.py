@@ -5,8 +5,15 @@ from __future__ import annotations
 import jax
 
 from ddtree_jax.pallas import runs_unpartitioned_kernel
-from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles, log_softmax_top_k_pallas, takes
+from ddtree_jax.pallas.draft_topk.kernel import (
+    DraftTopKTiles,
+    log_softmax_top_k_pallas,
+    takes,
+    takes_row,
+    top_k_pallas,
+)
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_xla
+from ddtree_jax.topk import chunked_top_k
 
 AUTO_KERNEL = True
 """Whether "auto" takes the kernel on a GPU (False: the XLA path, for before / after runs:
@@ -26,7 +33,12 @@ for before / after runs; with `AUTO_MAX_K=32` also for DDTree(32)'s tree)."""
 CHUNK_WARPS = 2
 """Warps of each program of the two launches of `CHUNK`."""
 
-__all__ = ["DraftTopKTiles", "log_softmax_top_k", "uses_kernel"]
+AUTO_PATHS = False
+"""Whether "auto" takes `top_k`'s kernel on a GPU (the enumerated tree's choice among its
+eligible paths: 166 at budget 12, 3576 at 32, sorted by XLA in one or two launches). Not yet
+timed on a GPU: off. Read when a program is traced."""
+
+__all__ = ["DraftTopKTiles", "log_softmax_top_k", "top_k", "uses_kernel"]
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 """"mosaic" has no kernel of its own here: it takes the XLA path."""
@@ -77,3 +89,23 @@ def log_softmax_top_k(
         interpret=jax.default_backend() != "gpu",
     )
     return values.reshape(*lead, k), ids.reshape(*lead, k)
+
+
+def top_k(x: jax.Array, k: int, *, implementation: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` of float rows [..., N]: the same values, ids and order (ties to the lower
+    id, NaN first).
+
+    Args:
+      x: the rows, any float dtype.
+      k: ranks kept, 1..N.
+      implementation: "xla" (`topk.chunked_top_k`), "pallas" (`kernel.top_k_pallas`, two
+        launches over chunks of a row, where `kernel.takes_row` holds; the CPU interprets it),
+        "auto" (the kernel on a GPU if `AUTO_PATHS`), or "mosaic" (XLA).
+    """
+    *lead, n = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"draft_topk.top_k: k must be in [1, {n}] for rows of {n}, got {k}")
+    if not runs_unpartitioned_kernel(implementation, AVAILABLE, "draft_topk", takes_row(n, k), AUTO_PATHS):
+        return chunked_top_k(x, k)
+    values, ids = top_k_pallas(x.reshape(-1, n), k=k, interpret=jax.default_backend() != "gpu")
+    return values.reshape(*lead, k).astype(x.dtype), ids.reshape(*lead, k)

@@ -156,17 +156,19 @@ def _select(key, k: int, kp: int):
     return jax.lax.fori_loop(0, k, pick, (jnp.zeros(key.shape, jnp.bool_), jnp.zeros((kp,), i32)))[1]
 
 
-def _chunk_kernel(t_ref, x_ref, keys_ref, ids_ref, *, k, chunk, scale):
-    """Program (r, c): chunk c of row r ranked by the row's log-probabilities (as int32 order
-    keys); its top K keys and row ids, slots past K below every key."""
+def _chunk_kernel(t_ref, x_ref, keys_ref, ids_ref, *, k, chunk, scale, log_softmax):
+    """Program (r, c): chunk c of row r ranked by the row's log-probabilities (or, without
+    `log_softmax`, by its values) as int32 order keys; its top K keys and row ids, slots past K
+    below every key."""
     i32, vp, kp = jnp.int32, x_ref.shape[0], keys_ref.shape[0]
-    top, m, lse = _row_shift(t_ref, x_ref, vp, chunk, scale)
+    if log_softmax:
+        top, m, lse = _row_shift(t_ref, x_ref, vp, chunk, scale)
 
     def key_of(x):  # the same float ops on the chunk and on the picked entries
         x = x.astype(jnp.float32)
-        if scale:
-            x = (x - top) / t_ref[0]
-        return jnp.maximum(_order_key(x - m - lse), jnp.iinfo(i32).min + 1)  # int32 min: a taken entry
+        if log_softmax:
+            x = ((x - top) / t_ref[0] if scale else x) - m - lse
+        return jnp.maximum(_order_key(x), jnp.iinfo(i32).min + 1)  # int32 min: a taken entry
 
     start = pl.program_id(1) * chunk
     at = start + _select(key_of(x_ref[pl.ds(start, chunk)]), k, kp)
@@ -183,7 +185,7 @@ def _merge_kernel(keys_ref, ids_ref, values_ref, out_ids_ref, *, k):
     out_ids_ref[...] = ids_ref[at]
 
 
-def _chunked(logits, t, *, k, scale, tiles, interpret):
+def _chunked(logits, t, *, k, scale, tiles, interpret, log_softmax=True):
     """The two launches of `DraftTopKTiles.chunk` over padded rows [R, Vp]: (values, ids) [R, Kp]."""
     r, vp = logits.shape
     kp = pl.next_power_of_2(k)
@@ -192,7 +194,7 @@ def _chunked(logits, t, *, k, scale, tiles, interpret):
     params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     i32 = jnp.int32
     keys, ids = pl.pallas_call(
-        functools.partial(_chunk_kernel, k=k, chunk=chunk, scale=scale),
+        functools.partial(_chunk_kernel, k=k, chunk=chunk, scale=scale, log_softmax=log_softmax),
         grid=(r, c),
         in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((None, vp), lambda i, j: (i, 0))],
         out_specs=[pl.BlockSpec((None, None, kp), lambda i, j: (i, j, 0))] * 2,
@@ -210,6 +212,40 @@ def _chunked(logits, t, *, k, scale, tiles, interpret):
         compiler_params=params,
         interpret=interpret,
     )(keys.reshape(r, n), ids.reshape(r, n))
+
+
+MAX_ROW = 1 << 15
+"""Longest row `top_k_pallas` takes (DDTree's eligible paths: `tree.MAX_ENUMERATED_PATHS`)."""
+MAX_ROW_K = 64
+"""Most ranks `top_k_pallas` takes (a selection costs one reduction of a chunk a rank)."""
+
+
+def takes_row(n: int, k: int) -> bool:
+    """Whether `top_k_pallas` takes rows of `n` values for `k` ranks."""
+    return 1 <= k <= min(n, MAX_ROW_K) and n <= MAX_ROW
+
+
+@functools.partial(jax.jit, static_argnames=("k", "tiles", "interpret"))
+def top_k_pallas(
+    x: jax.Array,  # [R, N] float
+    *,
+    k: int,
+    tiles: DraftTopKTiles = DraftTopKTiles(chunk=512, num_warps=2),
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # values [R, K] float32, ids [R, K] int32
+    """`lax.top_k(x, k)` of float rows by the two launches of `DraftTopKTiles.chunk` (its chunk
+    0 taken as 512), ranked by the values themselves (no log-softmax): the same ids and order,
+    the values as float32."""
+    n = x.shape[1]
+    if not takes_row(n, k):
+        raise ValueError(f"top_k_pallas: needs 1 <= k <= min(N, {MAX_ROW_K}) and N <= {MAX_ROW}, got k={k}, N={n}")
+    np2 = pl.next_power_of_2(n)
+    if np2 != n:
+        x = jnp.pad(x, ((0, 0), (0, np2 - n)), constant_values=-jnp.inf)
+    tiles = tiles if tiles.chunk else dataclasses.replace(tiles, chunk=512)
+    one = jnp.ones((1,), jnp.float32)
+    values, ids = _chunked(x, one, k=k, scale=False, tiles=tiles, interpret=interpret, log_softmax=False)
+    return values[:, :k], ids[:, :k]
 
 
 @functools.partial(jax.jit, static_argnames=("k", "tiles", "interpret"))
