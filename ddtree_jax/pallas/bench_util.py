@@ -153,6 +153,13 @@ def percent_of_peak(flops: float, nbytes: float, seconds: float) -> float:
     return 100 * max(flops / seconds / PEAK_FLOPS, nbytes / seconds / PEAK_BYTES)
 
 
+def table_header(against: str, impl: str = "impl") -> str:
+    """The header and separator of `table_row`'s table: errors against `against`; `impl` names
+    the implementation column."""
+    columns = ["shape", impl, "ms", "timer", "TFLOP/s", "GB/s", "% peak", f"max abs err vs {against}"]
+    return "| " + " | ".join(columns) + " |\n" + "| --- " * len(columns) + "|"
+
+
 def table_row(
     name: str, impl: str, seconds: float, timer: str, flops: float, nbytes: float, err: float, *, digits=(3, 1)
 ) -> str:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.pallas.bench_util import device_time, table_row
+from ddtree_jax.pallas.bench_util import device_time, table_header, table_row
 from ddtree_jax.pallas.draft_topk import api
 from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
@@ -85,8 +85,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs reference |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(table_header("reference"))
     bad = []
     t = jnp.float32(0.8)
     for name in args.shapes:

@@ -17,7 +17,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.pallas.bench_util import device_time, table_row
+from ddtree_jax.pallas.bench_util import device_time, table_header, table_row
 from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas, num_splits
 from ddtree_jax.pallas.drafter_attention.reference import drafter_attention_reference
 from ddtree_jax.pallas.shapes import DRAFTER_ATTENTION_SHAPES, DrafterAttentionShape
@@ -64,8 +64,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl (pallas: `num_splits`' choice) | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(table_header("xla", impl="impl (pallas: `num_splits`' choice)"))
     for name in args.shapes:
         shape = DRAFTER_ATTENTION_SHAPES[name].shrink() if args.smoke else DRAFTER_ATTENTION_SHAPES[name]
         window = shape.window or FULL  # the shipped drafter is not causal within its block

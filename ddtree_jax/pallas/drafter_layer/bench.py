@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.pallas.bench_util import device_time, table_row
+from ddtree_jax.pallas.bench_util import device_time, table_header, table_row
 from ddtree_jax.pallas.drafter_layer import api
 from ddtree_jax.pallas.shapes import DRAFTER_LAYER_SHAPES, DrafterLayerShape
 
@@ -70,8 +70,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
     args = ap.parse_args(argv)
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(table_header("xla"))
     bad = []
     for name in args.shapes:
         shape = DRAFTER_LAYER_SHAPES[name].shrink() if args.smoke else DRAFTER_LAYER_SHAPES[name]

@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.pallas.bench_util import device_time, table_row
+from ddtree_jax.pallas.bench_util import device_time, table_header, table_row
 from ddtree_jax.pallas.mla_attention.mosaic import MosaicMLATiles, mla_attention_mosaic
 from ddtree_jax.pallas.mla_attention.reference import mla_attention_reference
 from ddtree_jax.pallas.shapes import MLA_SHAPES, MLAShape
@@ -78,8 +78,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     tiles = {spec: _tiles(ap, spec) for spec in args.mosaic_tiles}
     print(f"device: {jax.devices()[0].device_kind}")
-    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(table_header("xla"))
     xla = jax.jit(lambda *a: mla_attention_reference(*a, 0.1))
     for name in args.shapes:
         shape = MLA_SHAPES[name].shrink() if args.smoke else MLA_SHAPES[name]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.pallas import mosaic_interpret
-from ddtree_jax.pallas.bench_util import device_time, table_row
+from ddtree_jax.pallas.bench_util import device_time, table_header, table_row
 from ddtree_jax.pallas.moe.kernel import MoETiles, moe_experts_pallas
 from ddtree_jax.pallas.moe.mosaic import MosaicMoETiles, moe_experts_mosaic
 from ddtree_jax.pallas.moe.reference import moe_experts_xla
@@ -90,8 +90,7 @@ def main(argv=None):
     int4 = Int4(32)
     tiles = MoETiles(args.block_m, args.block_i, args.block_h, args.block_k, args.num_warps, args.num_stages)
     print(f"device: {jax.devices()[0].device_kind}; pallas {tiles}")
-    print("| shape | impl | ms | timer | TFLOP/s | GB/s | % peak | max abs err vs xla |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(table_header("xla"))
     xla = jax.jit(moe_experts_xla)
     pallas = jax.jit(lambda *a: moe_experts_pallas(*a, tiles=tiles, interpret=args.smoke))
     interpret = mosaic_interpret() if args.smoke else None
