@@ -72,6 +72,12 @@ def test_joined_keys_are_the_split_pass(monkeypatch):
         want = mla_attention_reference(*args, 0.3)
         got = jax.jit(lambda *a: mla_attention(*a, scale=0.3))(*args)
         np.testing.assert_allclose(got, want, atol=1e-5 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
+    # float32 new keys beside a bf16 cache keep their bits, as in the split pass.
+    mixed = list(case(rng, 2, 13, 3, 16, 8, 24, [0, 24], tree.visibility, jnp.bfloat16))
+    mixed[5], mixed[6] = mixed[5].astype(jnp.float32) * 1.001, mixed[6].astype(jnp.float32) * 1.001
+    np.testing.assert_allclose(
+        mla_attention(*mixed, scale=0.3), mla_attention_reference(*mixed, 0.3), atol=1e-5, rtol=1e-5
+    )
     one = case(rng, 1, 1, 2, 8, 4, 6, [3], jnp.ones((1, 1, 1), bool))
     np.testing.assert_array_equal(mla_attention(*one, scale=0.5), mla_attention_reference(*one, 0.5))
     monkeypatch.setattr(reference, "JOIN_MAX_BYTES", 1)

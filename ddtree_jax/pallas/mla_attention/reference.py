@@ -72,8 +72,9 @@ def mla_attention_xla(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new
     b, t = new_mask.shape[:2]
     if t == 1 or cache_ckv.nbytes + cache_kpe.nbytes > JOIN_MAX_BYTES:
         return mla_attention_reference(q_lat, q_pe, cache_ckv, cache_kpe, cache_len, new_ckv, new_kpe, new_mask, scale)
-    ckv = jnp.concatenate([cache_ckv, new_ckv.astype(cache_ckv.dtype)], axis=1)  # [B, S + T, R]
-    kpe = jnp.concatenate([cache_kpe, new_kpe.astype(cache_kpe.dtype)], axis=1)  # [B, S + T, P]
+    # The wider dtype of the two, so that no key is rounded (the model's are the cache's already).
+    ckv = jnp.concatenate([cache_ckv, new_ckv], axis=1, dtype=jnp.result_type(cache_ckv, new_ckv))  # [B, S + T, R]
+    kpe = jnp.concatenate([cache_kpe, new_kpe], axis=1, dtype=jnp.result_type(cache_kpe, new_kpe))  # [B, S + T, P]
     s = cache_ckv.shape[1]
     cache_visible = jnp.broadcast_to(_cache_visible(cache_len, s)[:, None, :], (b, t, s))
     visible = jnp.concatenate([cache_visible, new_mask], axis=-1)  # [B, T, S + T]
