@@ -82,10 +82,10 @@ def main(argv=None):
         except subprocess.TimeoutExpired:
             print(f"{variant or '(none)'}: over --child-timeout {args.child_timeout:g} s", flush=True)
             continue
-        budgets = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0:
             print(f"{variant or '(none)'}: exit {proc.returncode}\n{proc.stderr[-2000:]}", flush=True)
             continue
+        budgets = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         rows.append({"variant": variant, "budgets": budgets})
         for b in budgets:
             q25, q75 = b["paired_round_over_ar_q25_q75"]
