@@ -433,7 +433,9 @@ the routed stacks, as one more expert every token chooses with weight 1 (`Shared
 where its width is a routed expert's (one shared expert): the routed pass then computes it too,
 one down GEMM instead of two in a verify's dense pass, one gather instead of the shared GEMMs in
 an AR step. A verify of the shipped target ran the shared down projection as a GEMM of its own,
-2.9 us in each of 7 layers (session 51's stage profile). Not yet timed on a GPU: off. It changes
+2.9 us in each of 7 layers (session 51's stage profile). Off: on an H100 (session 52, interleaved
+pairs) a DDTree(12) round cost the same with it (1.578 AR steps) and a DDTree(32) round more
+(1.816 against the joined attention's 1.585). It changes
 a forward's last bits (the shared output summed with the routed ones in float32 before one
 rounding)."""
 
@@ -534,7 +536,9 @@ ROUTER_RANK_MAX_EXPERTS = 0
 MoE layer (about 1.8 us each, seven in an AR step and seven in a verify of the shipped pair),
 where the ranks could fuse with the router's other elementwise work. Off: on an H100 (session
 47, docs/benchmarks.md) at 64 it took 2% off a DDTree(32) round in interleaved pairs, but the
-HumanEval run, one process each way, showed no gain (AR +1.7%, DDTree(32) -1.3% tokens/s)."""
+HumanEval run, one process each way, showed no gain (AR +1.7%, DDTree(32) -1.3% tokens/s). At
+16 (session 53, pairs): AR step 0.404 -> 0.388 ms and DDTree(12) round 0.592 -> 0.579 ms, across
+processes whose AR step varies as much."""
 
 
 ROUTER_REDUCE_MAX_TOKENS = 64
