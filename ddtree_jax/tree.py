@@ -43,11 +43,6 @@ from ddtree_jax.sampling import check_float32_positive
 MAX_BUDGET = 1024
 # Enumerate eligible rank paths up to this many (a [P, D] int32 constant in the program).
 MAX_ENUMERATED_PATHS = 1 << 15
-RANK_PATHS_MAX = 0
-"""The enumerated tree picks its `budget` best of at most this many eligible paths by pairwise
-ranks (`topk.rank_top_k`, [B, P, P] comparisons that XLA may fuse with the scoring: the same
-order) instead of a sort, a kernel of its own (5.7 us in a DDTree(12) tree on an H100, session
-51; 166 paths at budget 12, 397 at 16, 3576 at 32). 0: always sort (not yet timed on a GPU)."""
 
 
 @struct.dataclass
@@ -223,9 +218,8 @@ def _finish(roots, top_tok, order, n_candidates, node_ranks, node_depth, node_pa
     return _assemble(roots, node_tok, parents, node_depth, valid, jnp.all(prefix, axis=-1), d)
 
 
-def _build_enumerated(top_lp, top_tok, roots, budget, paths, implementation: str) -> DraftTree:
-    """Scores every eligible path (`_eligible_paths`) and keeps a stable top-`budget` (by
-    `RANK_PATHS_MAX`'s ranks, or `draft_topk.top_k`'s `implementation`)."""
+def _build_enumerated(top_lp, top_tok, roots, budget, paths) -> DraftTree:
+    """Scores every eligible path (`_eligible_paths`) and keeps a stable top-`budget`."""
     ranks, depth, parent = paths
     _, d, k = top_lp.shape
     if len(depth) < budget:  # tiny vocab / depth: fewer paths than the budget, pad with -inf
@@ -241,10 +235,7 @@ def _build_enumerated(top_lp, top_tok, roots, budget, paths, implementation: str
         score = score + lp[:, j, cols[:, j]]
     score = jnp.where(jnp.asarray(ranks[:, 0] >= 0), score, -jnp.inf)
     # Stable: equal scores keep lexicographic order, which is the pop order's tie-break.
-    if score.shape[1] <= RANK_PATHS_MAX:
-        node_score, order = topk.rank_top_k(score, budget)
-    else:
-        node_score, order = draft_topk.top_k(score, budget, implementation=implementation)
+    node_score, order = topk.chunked_top_k(score, budget)
     return _finish(
         roots,
         top_tok,
@@ -333,9 +324,8 @@ def build_ddtree(
         drafter's distributions as they are; below 1 sharper). It shapes the tree only:
         which tokens are accepted is the target's choice either way. A float32 scalar
         array is taken as it is (traced: one program for every value; `generate` checks it).
-      implementation: the per-depth log-softmax top-K's and the enumerated tree's choice among
-        its paths (`pallas.draft_topk`: "auto" takes the first's kernel on a GPU for K <= 16,
-        the second's where `draft_topk.api.AUTO_PATHS` is on; "xla" `topk.chunked_top_k`).
+      implementation: the per-depth log-softmax top-K's (`pallas.draft_topk`: "auto" takes its
+        kernel on a GPU for K <= 16, "xla" `topk.chunked_top_k`).
 
     Returns:
       A DraftTree with N = 1 + budget slots, nodes in pop order. Fewer than
@@ -359,5 +349,5 @@ def build_ddtree(
         # [B, D, K], ranks sorted descending
         top_lp, top_tok = draft_topk.log_softmax_top_k(draft_logits, k, scale, implementation=implementation)
         if paths is not None:
-            return _build_enumerated(top_lp, top_tok, roots, budget, paths, implementation)
+            return _build_enumerated(top_lp, top_tok, roots, budget, paths)
         return _build_beam(top_lp, top_tok, roots, budget)

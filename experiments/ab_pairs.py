@@ -1,8 +1,8 @@
 """Round / AR step in the decode loop under several settings: one process a setting, pairs only.
 
     python3 experiments/ab_pairs.py --checkpoints checkpoints --budgets 12 32 --pairs 7 \
-        --variants "" "ddtree_jax.tree.RANK_PATHS_MAX=512" \
-        "ddtree_jax.pallas.draft_topk.api.CHUNK=512 ddtree_jax.pallas.draft_topk.api.AUTO_MAX_K=32" \
+        --variants "" "ddtree_jax.pallas.draft_topk.api.AUTO_MAX_K=32" \
+        "ddtree_jax.topk.TOP_K_CHUNK=128 ddtree_jax.model.ROUTER_RANK_MAX_EXPERTS=16" \
         --out ab.json
 
 Each variant is a space-separated list of `MODULE.NAME=VALUE` settings ("" : none), applied in a

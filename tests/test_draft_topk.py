@@ -10,20 +10,8 @@ import pytest
 
 from ddtree_jax import tree
 from ddtree_jax.pallas.draft_topk import api
-from ddtree_jax.pallas.draft_topk.kernel import (
-    MAX_ROW,
-    MAX_ROW_K,
-    MAX_VOCAB,
-    DraftTopKTiles,
-    log_softmax_top_k_pallas,
-    takes,
-    takes_row,
-)
+from ddtree_jax.pallas.draft_topk.kernel import MAX_VOCAB, DraftTopKTiles, log_softmax_top_k_pallas, takes
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
-
-TILES = [DraftTopKTiles(one_pass=False), DraftTopKTiles(), DraftTopKTiles(chunk=64, num_warps=2)]
-"""Each selection: a row a program with two reductions a rank or one, or chunks of 64 (raised to
-Kp) merged by a second launch (`chunk`; 1000 entries: 16 chunks, 37: one)."""
 
 
 def _rows(seed, r, v, step=1 / 8):
@@ -47,11 +35,11 @@ def _same(got, want):
         (1, 64, 1, None),  # the argmax
     ],
 )
-@pytest.mark.parametrize("tiles", TILES, ids=["two_reductions", "one_pass", "chunks"])
-def test_kernel_matches_reference(r, v, k, temperature, tiles):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_kernel_matches_reference(r, v, k, temperature, one_pass):
     x = _rows(r + v + k, r, v)
     t = None if temperature is None else jnp.float32(temperature)
-    got = log_softmax_top_k_pallas(x, t, k=k, tiles=tiles, interpret=True)
+    got = log_softmax_top_k_pallas(x, t, k=k, tiles=DraftTopKTiles(one_pass=one_pass), interpret=True)
     assert got[0].shape == got[1].shape == (r, k) and got[1].dtype == jnp.int32
     _same(got, log_softmax_top_k_reference(x, k, t))
 
@@ -80,37 +68,15 @@ def test_infinities_and_nan_rank_as_top_k_does():
     x[2, 17] = np.nan
     x = jnp.asarray(x)
     want = log_softmax_top_k_reference(x, 6)
-    for tiles in (*TILES, DraftTopKTiles(chunk=8)):  # 8 chunks: the finite entries in three
-        got = log_softmax_top_k_pallas(x, None, k=6, tiles=tiles, interpret=True)
+    for one_pass in (False, True):
+        got = log_softmax_top_k_pallas(x, None, k=6, tiles=DraftTopKTiles(one_pass=one_pass), interpret=True)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # NaN == NaN, -inf == -inf
         assert np.asarray(got[1])[0].tolist() == [9, 5, 40, 0, 1, 2]
 
 
-@pytest.mark.parametrize("n, k", [(166, 12), (3576, 32), (397, 16), (37, 37), (1000, 1)])
-def test_top_k_of_rows_is_lax_top_k(n, k):
-    """`top_k` (the enumerated tree's choice among its paths) on the kernel, in interpret mode:
-    lax.top_k's values, ids and order, with heavy ties, -inf, +-0.0 and NaN; XLA's path too."""
-    rng = np.random.default_rng(n + k)
-    x = np.round(rng.normal(size=(3, n)) * 2) / 2
-    x[0, : n // 3] = -np.inf
-    x[1, rng.integers(0, n, 4)] = -0.0
-    x[2, rng.integers(0, n, 2)] = np.nan
-    x = jnp.asarray(x, jnp.float32)
-    want = jax.lax.top_k(x, k)
-    for implementation in ("pallas", "xla"):
-        got = api.top_k(x.reshape(1, 3, n), k, implementation=implementation)
-        assert got[0].shape == (1, 3, k) and got[0].dtype == jnp.float32 and got[1].dtype == jnp.int32
-        np.testing.assert_array_equal(np.asarray(got[1])[0], np.asarray(want[1]))
-        np.testing.assert_array_equal(np.asarray(got[0])[0].view(np.int32), np.asarray(want[0]).view(np.int32))
-
-
 def test_dispatch_takes_and_bad_k():
     assert takes(8192, 12) and takes(MAX_VOCAB, 1)
-    assert takes_row(MAX_ROW, MAX_ROW_K) and not takes_row(MAX_ROW + 1, 1) and not takes_row(4096, MAX_ROW_K + 1)
-    for k in (0, 7):
-        with pytest.raises(ValueError, match=f"k must be in \\[1, 6\\] for rows of 6, got {k}"):
-            api.top_k(jnp.zeros((2, 6)), k, implementation="pallas")
     assert not takes(MAX_VOCAB + 1, 12) and not takes(8, 9) and not takes(8192, 0)
     assert api.uses_kernel("pallas", 8192, 32)
     assert not api.uses_kernel("auto", 8192, 12)  # the CPU
@@ -126,9 +92,6 @@ def test_dispatch_takes_and_bad_k():
         api.log_softmax_top_k(x, 2, implementation="cuda")
     with pytest.raises(ValueError, match="num_warps"):
         DraftTopKTiles(num_warps=3)
-    for chunk in (-1, 96, True, 64.0):
-        with pytest.raises(ValueError, match=f"chunk must be 0 or a power of two, got {chunk!r}"):
-            DraftTopKTiles(chunk=chunk)
     # Leading axes kept: [B, D, V] -> [B, D, K].
     lead = _rows(1, 6, 64).reshape(2, 3, 64)
     got = api.log_softmax_top_k(lead, 4, jnp.float32(0.7), implementation="pallas")
@@ -136,17 +99,11 @@ def test_dispatch_takes_and_bad_k():
     _same(got, log_softmax_top_k_reference(lead, 4, jnp.float32(0.7)))
 
 
-@pytest.mark.parametrize(
-    "budget, method, chunk",
-    [(12, "enumerate", 0), (16, "beam", 0), (5, "auto", 0), (12, "auto", 128), (32, "enumerate", 0)],
-)
-def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method, chunk, monkeypatch):
-    """`build_ddtree` with the kernel's ranks (a program a row, or `api.CHUNK`'s two launches) and,
-    where it enumerates, its choice among the paths on `api.top_k`'s kernel (166 paths at budget
-    12, 3576 at 32): the same tree as on XLA's top-Ks (traced and fixed tree temperatures). Continuous
-    logits: where two paths' summed log-probabilities tie exactly, the kernel's last-bit rounding
-    may order them the other way (kernel.py)."""
-    monkeypatch.setattr(api, "CHUNK", chunk)
+@pytest.mark.parametrize("budget, method", [(12, "enumerate"), (16, "beam"), (5, "auto"), (32, "enumerate")])
+def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method):
+    """`build_ddtree` with the kernel's ranks: the same tree as on XLA's chunked top-K (traced
+    and fixed tree temperatures). Continuous logits: where two paths' summed log-probabilities
+    tie exactly, the kernel's last-bit rounding may order them the other way (kernel.py)."""
     logits = jnp.asarray(3.0 * np.random.default_rng(budget).normal(size=(2, 15, 1024)), jnp.float32)
     roots = jnp.asarray([3, 7], jnp.int32)
     for temperature in (1.0, 0.8, jnp.float32(0.6)):
@@ -159,15 +116,7 @@ def test_trees_built_on_the_kernel_are_the_xla_trees(budget, method, chunk, monk
 def test_bench_smoke(capsys):
     from ddtree_jax.pallas.draft_topk import bench
 
-    bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_budget12", "paths_budget12"])
+    bench.main(["--smoke", "--reps", "1", "--shapes", "shipped_budget12"])
     out = capsys.readouterr().out
-    for impl in ("reference", "xla", "pallas", "rank"):
-        assert f"| paths_budget12 | {impl} |" in out
-    for impl in (
-        "reference",
-        "xla",
-        "pallas",
-        "pallas_one_pass",
-        *(f"pallas_chunks{c}_w{w}" for c, w in bench.CHUNKED),
-    ):
+    for impl in ("reference", "xla", "pallas", "pallas_one_pass"):
         assert f"| shipped_budget12 | {impl} |" in out

@@ -448,11 +448,11 @@ def test_ab_pairs_runs_each_variant_in_its_process_and_resumes(tiny_pair, tmp_pa
     with the same --out skips what it holds."""
     out = tmp_path / "ab.json"
     common = ("--checkpoints", tiny_pair, "--budgets", 4, "--pairs", 1, "--context", 8, "--loop-tokens", 4)
-    variants = ("--variants", "", "ddtree_jax.tree.RANK_PATHS_MAX=64", "ddtree_jax.tree.NO_SUCH=1")
+    variants = ("--variants", "", "ddtree_jax.topk.TOP_K_CHUNK=128", "ddtree_jax.tree.NO_SUCH=1")
     proc = run_script("ab_pairs.py", *common, "--dtype", "float32", *variants, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["", "ddtree_jax.tree.RANK_PATHS_MAX=64"]
+    assert [r["variant"] for r in rows] == ["", "ddtree_jax.topk.TOP_K_CHUNK=128"]
     for r in rows:
         (b,) = r["budgets"]
         assert b["budget"] == 4 and b["pairs"] == 1 and math.isfinite(b["paired_round_in_loop_ms"])

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
 from ddtree_jax.pallas.drafter_attention import bench as drafter_bench
 from ddtree_jax.pallas.drafter_attention.kernel import DrafterAttentionTiles, drafter_attention_pallas, num_splits
@@ -261,51 +260,30 @@ def test_drafter_layer_kernel_lowers_for_the_gpu(name):
 @pytest.mark.parametrize("name", list(DRAFT_TOPK_SHAPES))
 def test_draft_topk_kernel_on_named_shapes(name):
     """The drafter's log-softmax top-K kernel on the bench's logits (exact ties) against the
-    float32 reference, a row a program and in chunks: the same ids, the values within float32
-    rounding."""
+    float32 reference: the same ids, the values within float32 rounding."""
     from ddtree_jax.pallas.draft_topk import api
     from ddtree_jax.pallas.draft_topk import bench as topk_bench
-    from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles
     from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
 
     shape = DRAFT_TOPK_SHAPES[name] if ON_GPU else DRAFT_TOPK_SHAPES[name].shrink()
     x, t = topk_bench.logits(shape, jax.random.PRNGKey(0)), jnp.float32(0.8)
+    got = jax.jit(lambda x, t: api.log_softmax_top_k(x, shape.k, t, implementation="pallas"))(x, t)
     want = log_softmax_top_k_reference(x, shape.k, t)
-    for tiles in (DraftTopKTiles(), DraftTopKTiles(chunk=512, num_warps=2)):
-        fn = functools.partial(api.log_softmax_top_k, k=shape.k, implementation="pallas", tiles=tiles)
-        got = jax.jit(lambda x, t, fn=fn: fn(x, temperature=t))(x, t)
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows, n, k", [(1, 166, 12), (8, 3576, 32), (1, 1 << 15, 64)])
-def test_path_top_k_kernel_lowers_for_the_gpu(rows, n, k):
-    """The enumerated tree's choice among its paths (`top_k_pallas`: budget 12's 166 paths, 32's
-    3576 at batch 8, the longest row and most ranks it takes) to Triton IR: two launches, the
-    first a program a chunk of 512."""
-    from ddtree_jax.pallas.draft_topk.kernel import top_k_pallas
-
-    fn = functools.partial(top_k_pallas, k=k)
-    text = _triton_lowered_for_cuda(fn, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    chunks = pl.next_power_of_2(n) // min(pl.next_power_of_2(n), 512)
-    assert text.count("xla.gpu.triton") == 2 and f"grid_x = {rows} : i32" in text and f"grid_y = {chunks} : i32" in text
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", [*DRAFT_TOPK_SHAPES, "tiny_vocab", "longest_row"])
 def test_draft_topk_kernel_lowers_for_the_gpu(name):
-    """The drafter's top-K kernel at full size to Triton IR, a program a row (both selections)
-    or a chunk of a row and then a row (`chunk`); also a toy vocabulary (37 logits padded to 64,
-    K = 1) and the longest row it takes (bf16)."""
+    """The drafter's top-K kernel at full size to Triton IR, a program a row; also a toy
+    vocabulary (37 logits padded to 64, K = 1) and the longest row it takes (bf16)."""
     from ddtree_jax.pallas.draft_topk.kernel import MAX_VOCAB, DraftTopKTiles, log_softmax_top_k_pallas
     from ddtree_jax.pallas.shapes import DraftTopKShape
 
     extra = {"tiny_vocab": DraftTopKShape(1, 37, 1), "longest_row": DraftTopKShape(2, MAX_VOCAB, 16)}
     s = extra[name] if name in extra else DRAFT_TOPK_SHAPES[name]
     rows = jax.ShapeDtypeStruct((s.batch * s.depths, s.vocab), jnp.bfloat16 if name in extra else jnp.float32)
-    for tiles in (DraftTopKTiles(one_pass=False), DraftTopKTiles(), DraftTopKTiles(chunk=512, num_warps=2)):
-        fn = functools.partial(log_softmax_top_k_pallas, k=s.k, tiles=tiles)
+    for one_pass in (False, True):
+        fn = functools.partial(log_softmax_top_k_pallas, k=s.k, tiles=DraftTopKTiles(one_pass=one_pass))
         text = _triton_lowered_for_cuda(lambda x, t, fn=fn: fn(x, t), rows, jax.ShapeDtypeStruct((), jnp.float32))
         assert "xla.gpu.triton" in text and f"grid_x = {s.batch * s.depths} : i32" in text
-        if tiles.chunk:  # the chunks' launch, then the merge's
-            chunks = pl.next_power_of_2(s.vocab) // min(pl.next_power_of_2(s.vocab), max(512, pl.next_power_of_2(s.k)))
-            assert text.count("xla.gpu.triton") == 2 and f"grid_y = {chunks} : i32" in text

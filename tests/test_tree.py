@@ -230,18 +230,15 @@ def test_bad_tree_temperature(temperature, error):
         tree.build_ddtree(jnp.zeros((1, 2, 4)), jnp.zeros((1,), jnp.int32), 2, temperature=temperature)
 
 
-@pytest.mark.parametrize("setting", ["topk.RANK_TOP_K_MAX", "tree.RANK_PATHS_MAX"])
 @pytest.mark.parametrize("budget", [12, 32])
-def test_ranked_top_k_builds_the_same_tree(budget, setting, monkeypatch):
-    """`build_ddtree` with its top-k stages ranked (`topk.RANK_TOP_K_MAX`), or its choice among
-    the eligible paths (`tree.RANK_PATHS_MAX`: 166 at budget 12, 3576 at 32), gives the sorted
-    tree, field by field, on drafter logits with tied entries (so tied path scores too)."""
+def test_ranked_top_k_builds_the_same_tree(budget, monkeypatch):
+    """`build_ddtree` with its top-k stages ranked (`RANK_TOP_K_MAX`) gives the sorted stages'
+    tree, field by field, on drafter logits with tied entries."""
     rng = np.random.default_rng(budget)
     logits = jnp.asarray(np.round(rng.normal(size=(2, 15, 1000)) * 4) / 4, jnp.float32)
     roots = jnp.asarray([5, 7], jnp.int32)
-    want = tree.build_ddtree(logits, roots, budget, method="enumerate")
-    module, name = setting.split(".")
-    monkeypatch.setattr({"topk": topk, "tree": tree}[module], name, 4096)
-    got = tree.build_ddtree(logits, roots, budget, method="enumerate")
+    want = tree.build_ddtree(logits, roots, budget)
+    monkeypatch.setattr(topk, "RANK_TOP_K_MAX", 1024)
+    got = tree.build_ddtree(logits, roots, budget)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -149,11 +149,3 @@ DRAFT_TOPK_SHAPES: dict[str, DraftTopKShape] = {
     "shipped_budget32": DraftTopKShape(1, 8192, 32),
     "shipped_budget12_batch8": DraftTopKShape(8, 8192, 12),
 }
-
-PATH_TOPK_SHAPES: dict[str, DraftTopKShape] = {
-    "paths_budget12": DraftTopKShape(1, 166, 12, depths=1),
-    "paths_budget32": DraftTopKShape(1, 3576, 32, depths=1),
-    "paths_budget12_batch8": DraftTopKShape(8, 166, 12, depths=1),
-}
-"""The enumerated tree's choice among its eligible paths (`draft_topk.api.top_k`): B rows of
-`vocab` path scores (the shipped drafter's depth of 15), K = the budget."""

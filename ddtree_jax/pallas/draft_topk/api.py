@@ -5,15 +5,8 @@ from __future__ import annotations
 import jax
 
 from ddtree_jax.pallas import runs_unpartitioned_kernel
-from ddtree_jax.pallas.draft_topk.kernel import (
-    DraftTopKTiles,
-    log_softmax_top_k_pallas,
-    takes,
-    takes_row,
-    top_k_pallas,
-)
+from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles, log_softmax_top_k_pallas, takes
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_xla
-from ddtree_jax.topk import chunked_top_k
 
 AUTO_KERNEL = True
 """Whether "auto" takes the kernel on a GPU (False: the XLA path, for before / after runs:
@@ -24,21 +17,7 @@ AUTO_MAX_K = 16
 """"auto" takes the kernel for at most this many ranks: its selection costs two reductions of
 the row a rank, where XLA's sorts cost the same for any K."""
 
-CHUNK = 0
-"""The kernel's tiles when none are given: 0, `DraftTopKTiles()` (a program a row); else
-`DraftTopKTiles(chunk=CHUNK, num_warps=CHUNK_WARPS)` (two launches, a program a chunk). Not yet
-timed on a GPU: 0. Read when a program is traced (`--set ddtree_jax.pallas.draft_topk.api.CHUNK=512`
-for before / after runs; with `AUTO_MAX_K=32` also for DDTree(32)'s tree)."""
-
-CHUNK_WARPS = 2
-"""Warps of each program of the two launches of `CHUNK`."""
-
-AUTO_PATHS = False
-"""Whether "auto" takes `top_k`'s kernel on a GPU (the enumerated tree's choice among its
-eligible paths: 166 at budget 12, 3576 at 32, sorted by XLA in one or two launches). Not yet
-timed on a GPU: off. Read when a program is traced."""
-
-__all__ = ["DraftTopKTiles", "log_softmax_top_k", "top_k", "uses_kernel"]
+__all__ = ["DraftTopKTiles", "log_softmax_top_k", "uses_kernel"]
 
 AVAILABLE = ("auto", "xla", "pallas", "mosaic")
 """"mosaic" has no kernel of its own here: it takes the XLA path."""
@@ -70,7 +49,7 @@ def log_softmax_top_k(
         by first (`sampling.scaled_logits`).
       implementation: "xla" (`reference.log_softmax_top_k_xla`), "pallas" (the Triton-lowered
         kernel; the CPU interprets it), "auto" (`uses_kernel`), or "mosaic" (XLA).
-      tiles: the kernel's `DraftTopKTiles` (None: `CHUNK`'s).
+      tiles: the kernel's `DraftTopKTiles` (None: the defaults).
 
     Returns:
       (values [..., K] float32 log-probabilities, descending; ids [..., K] int32), ties to the
@@ -85,27 +64,7 @@ def log_softmax_top_k(
         logits.reshape(-1, v),
         temperature,
         k=k,
-        tiles=tiles or (DraftTopKTiles(chunk=CHUNK, num_warps=CHUNK_WARPS) if CHUNK else DraftTopKTiles()),
+        tiles=tiles or DraftTopKTiles(),
         interpret=jax.default_backend() != "gpu",
     )
     return values.reshape(*lead, k), ids.reshape(*lead, k)
-
-
-def top_k(x: jax.Array, k: int, *, implementation: str = "xla") -> tuple[jax.Array, jax.Array]:
-    """`lax.top_k(x, k)` of float rows [..., N]: the same values, ids and order (ties to the lower
-    id, NaN first).
-
-    Args:
-      x: the rows, any float dtype.
-      k: ranks kept, 1..N.
-      implementation: "xla" (`topk.chunked_top_k`), "pallas" (`kernel.top_k_pallas`, two
-        launches over chunks of a row, where `kernel.takes_row` holds; the CPU interprets it),
-        "auto" (the kernel on a GPU if `AUTO_PATHS`), or "mosaic" (XLA).
-    """
-    *lead, n = x.shape
-    if not 1 <= k <= n:
-        raise ValueError(f"draft_topk.top_k: k must be in [1, {n}] for rows of {n}, got {k}")
-    if not runs_unpartitioned_kernel(implementation, AVAILABLE, "draft_topk", takes_row(n, k), AUTO_PATHS):
-        return chunked_top_k(x, k)
-    values, ids = top_k_pallas(x.reshape(-1, n), k=k, interpret=jax.default_backend() != "gpu")
-    return values.reshape(*lead, k).astype(x.dtype), ids.reshape(*lead, k)

@@ -6,10 +6,7 @@
 Shapes: `pallas/shapes.py` (DRAFT_TOPK_SHAPES), float32 logits scaled by a temperature of 0.8 (the
 CLI's default tree temperature at T = 0). "xla" is the dispatch's XLA path (a softmax kernel and
 `topk.chunked_top_k`'s sorts), "reference" one `lax.top_k` of the row, "pallas" the kernel with
-`DraftTopKTiles(one_pass=False)`, "pallas_one_pass" with the default tiles (`one_pass=True`),
-"pallas_chunksC_wW" two launches over chunks of C entries with W warps (`CHUNKED`). The
-`PATH_TOPK_SHAPES` time the enumerated tree's choice among its paths (`api.top_k`): one
-`lax.top_k`, XLA's two stages, the kernel, and pairwise ranks (`topk.rank_top_k`). Times
+`DraftTopKTiles(one_pass=False)`, "pallas_one_pass" with the default tiles (`one_pass=True`). Times
 are device time from a profiler trace (`bench_util.device_time`; "wall" where the backend gives
 none). Bytes: the logits read once. Every output is checked against the reference: the ids must
 match and the values agree to 1e-5; a mismatch fails the run.
@@ -27,11 +24,7 @@ from ddtree_jax.pallas.bench_util import device_time, table_header, table_row
 from ddtree_jax.pallas.draft_topk import api
 from ddtree_jax.pallas.draft_topk.kernel import DraftTopKTiles
 from ddtree_jax.pallas.draft_topk.reference import log_softmax_top_k_reference
-from ddtree_jax.pallas.shapes import DRAFT_TOPK_SHAPES, PATH_TOPK_SHAPES, DraftTopKShape
-from ddtree_jax.topk import chunked_top_k, rank_top_k
-
-CHUNKED = ((512, 2), (256, 1), (1024, 4))
-"""(chunk, num_warps) of the two-launch kernel's rows (`DraftTopKTiles.chunk`)."""
+from ddtree_jax.pallas.shapes import DRAFT_TOPK_SHAPES, DraftTopKShape
 
 TOLERANCE = 1e-5
 """Largest difference of a kept log-probability from the reference's (float32 sums)."""
@@ -54,32 +47,12 @@ def runs(k: int) -> dict:
         "pallas_one_pass": jax.jit(
             lambda x, t: api.log_softmax_top_k(x, k, t, implementation="pallas", tiles=DraftTopKTiles(one_pass=True))
         ),
-        **{
-            f"pallas_chunks{c}_w{w}": jax.jit(
-                lambda x, t, c=c, w=w: api.log_softmax_top_k(
-                    x, k, t, implementation="pallas", tiles=DraftTopKTiles(chunk=c, num_warps=w)
-                )
-            )
-            for c, w in CHUNKED
-        },
     }
-
-
-def path_runs(k: int, n: int) -> dict:
-    """Each implementation of the paths' top K as a jitted function of (scores, unused)."""
-    fns = {
-        "reference": lambda x, t: jax.lax.top_k(x, k),
-        "xla": lambda x, t: chunked_top_k(x, k),
-        "pallas": lambda x, t: api.top_k(x, k, implementation="pallas"),
-    }
-    if n <= 1024:  # [n, n] comparisons a row
-        fns["rank"] = lambda x, t: rank_top_k(x, k)
-    return {name: jax.jit(fn) for name, fn in fns.items()}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    names = [*DRAFT_TOPK_SHAPES, *PATH_TOPK_SHAPES]
+    names = list(DRAFT_TOPK_SHAPES)
     ap.add_argument("--shapes", nargs="+", default=names, choices=names)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="CPU check: shapes.shrink()ed, interpret mode")
@@ -89,14 +62,11 @@ def main(argv=None):
     bad = []
     t = jnp.float32(0.8)
     for name in args.shapes:
-        paths = name in PATH_TOPK_SHAPES
-        shape = PATH_TOPK_SHAPES[name] if paths else DRAFT_TOPK_SHAPES[name]
-        shape = shape.shrink() if args.smoke and not paths else shape
+        shape = DRAFT_TOPK_SHAPES[name].shrink() if args.smoke else DRAFT_TOPK_SHAPES[name]
         x = logits(shape, jax.random.PRNGKey(0))
-        x = x.reshape(shape.batch, shape.vocab) if paths else x
         want = None
         nbytes = 4 * x.size
-        for impl, fn in (path_runs(shape.k, shape.vocab) if paths else runs(shape.k)).items():
+        for impl, fn in runs(shape.k).items():
             values, ids = fn(x, t)
             if want is None:
                 want = np.asarray(values), np.asarray(ids)
