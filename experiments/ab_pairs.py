@@ -7,8 +7,10 @@
 
 Each variant is a space-separated list of `MODULE.NAME=VALUE` settings ("" : none), applied in a
 process of its own before anything is traced (module constants are read when a program is
-traced). The process times `profile_round.paired_in_loop` at each budget: AR and DDTree(budget)
-in the loop, in interleaved pairs, the median round / AR ratio and its quartiles. Only the pairs,
+traced). The process times `profile_round.paired_in_loop` at all budgets at once: AR and
+DDTree at each budget in the loop, in rotation, each budget's median round / AR ratio and its
+quartiles against the same AR measurements (timed beside one budget at a time, session 53's AR
+step ran 16% slower beside DDTree(32) than beside DDTree(12)). Only the pairs,
 without `profile_round.py`'s stage timings: a setting costs its two loops' compiles and the
 pairs. Each variant's result is written to --out as it ends; a run given the same --out skips
 the variants already there (a GPU call cut short goes on in the next). Ratios compare across
@@ -44,9 +46,10 @@ def child(args) -> None:
     vocab = shipped.target.config.vocab_size
     prompts = np.random.default_rng(0).integers(4, vocab, size=(1, args.context))
     sampled = dict(temperature=args.temperature, key=jax.random.key(0)) if args.temperature else {}
-    for budget in args.budgets:
-        row = paired_in_loop(shipped.target, shipped.drafter, prompts, budget, args.loop_tokens, args.pairs, **sampled)
-        print(json.dumps({"budget": budget, **row}), flush=True)
+    for row in paired_in_loop(
+        shipped.target, shipped.drafter, prompts, args.budgets, args.loop_tokens, args.pairs, **sampled
+    ):
+        print(json.dumps(row), flush=True)
 
 
 def main(argv=None):

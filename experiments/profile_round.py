@@ -131,41 +131,53 @@ def in_loop(
     return (t_all - t_one) / rounds, table, t_one
 
 
-def paired_in_loop(target, dparams, prompts, budget, tokens: int, pairs: int, **gen_kwargs) -> dict:
+def paired_in_loop(target, dparams, prompts, budgets, tokens: int, pairs: int, **gen_kwargs) -> list[dict]:
     """Round / AR step in the loop from `pairs` interleaved measurements: each pair times the
-    one-token and the `tokens` call of AR and of DDTree(`budget`) back to back (alternating which
-    goes first), so a drift of the machine between separate measurements (the AR step moved 9-18%
-    between lines of one call in session 32) falls on both sides of each ratio.
+    one-token and the `tokens` call of AR and of DDTree at each of `budgets` back to back (the
+    order rotated pair by pair), so a drift of the machine between separate measurements (the AR
+    step moved 9-18% between lines of one call in session 32) falls on every side of each ratio.
+    Every budget's ratio is taken against the same AR measurements: in session 53 an AR step timed
+    in pairs beside DDTree(32) alone ran 16% slower than beside DDTree(12) in the same process,
+    which made the budget-32 ratio look 14% smaller than the eval's.
 
-    Returns the medians of the per-pair AR step and round (ms) and of their ratio, with the
-    ratio's quartiles; a pair whose AR difference is not positive (a busy CPU) gives no ratio.
+    Returns a row a budget: the medians of the per-pair AR step (the same in every row) and round
+    (ms) and of their ratio, with the ratio's quartiles; a pair whose AR difference is not
+    positive (a busy CPU) gives no ratio.
     """
     fresh_programs()
+    methods = [("ar", None), *(("ddtree", b) for b in budgets)]
     calls = {
-        (method, m): loop_call(target, dparams, prompts, method, budget, m, **gen_kwargs)
-        for method in ("ar", "ddtree")
+        (method, budget, m): loop_call(target, dparams, prompts, method, budget, m, **gen_kwargs)
+        for method, budget in methods
         for m in (1, tokens)
     }
     rounds = {}
-    for (method, m), call in calls.items():  # compiles each; the rounds of a `tokens` call (the same every call)
+    for (method, budget, m), call in calls.items():  # compiles each; a `tokens` call's rounds (the same every call)
         res = jax.block_until_ready(call())
         if m == tokens:
-            rounds[method] = float(np.asarray(res.rounds).max())
-    steps = {"ar": [], "ddtree": []}
+            rounds[method, budget] = float(np.asarray(res.rounds).max())
+    steps = {mb: [] for mb in methods}
     for i in range(pairs):
-        for method in ("ar", "ddtree") if i % 2 == 0 else ("ddtree", "ar"):
-            t = {m: time_call(calls[method, m], repeats=1, warmup=0)[0] for m in (1, tokens)}
-            steps[method].append((t[tokens] - t[1]) / rounds[method] * 1e3)
-    ar, dd = np.asarray(steps["ar"]), np.asarray(steps["ddtree"])
-    ratios = dd[ar > 0] / ar[ar > 0]
-    quartiles = np.percentile(ratios, [25, 50, 75]).tolist() if ratios.size else [float("nan")] * 3
-    return {
-        "pairs": pairs,
-        "paired_ar_in_loop_ms": float(np.median(ar)),
-        "paired_round_in_loop_ms": float(np.median(dd)),
-        "paired_round_over_ar": quartiles[1],
-        "paired_round_over_ar_q25_q75": [quartiles[0], quartiles[2]],
-    }
+        for method, budget in methods[i % len(methods) :] + methods[: i % len(methods)]:
+            t = {m: time_call(calls[method, budget, m], repeats=1, warmup=0)[0] for m in (1, tokens)}
+            steps[method, budget].append((t[tokens] - t[1]) / rounds[method, budget] * 1e3)
+    ar = np.asarray(steps["ar", None])
+    rows = []
+    for budget in budgets:
+        dd = np.asarray(steps["ddtree", budget])
+        ratios = dd[ar > 0] / ar[ar > 0]
+        quartiles = np.percentile(ratios, [25, 50, 75]).tolist() if ratios.size else [float("nan")] * 3
+        rows.append(
+            {
+                "budget": budget,
+                "pairs": pairs,
+                "paired_ar_in_loop_ms": float(np.median(ar)),
+                "paired_round_in_loop_ms": float(np.median(dd)),
+                "paired_round_over_ar": quartiles[1],
+                "paired_round_over_ar_q25_q75": [quartiles[0], quartiles[2]],
+            }
+        )
+    return rows
 
 
 def main():
@@ -322,9 +334,10 @@ def main():
             # What a generate call costs beyond its rounds (one-token call): paid once per prompt.
             row["ar_call_ms"], row["round_call_ms"] = t_ar_one * 1e3, t_round_one * 1e3
             if args.pairs:
-                row.update(
-                    paired_in_loop(target, dparams, loop_prompts, budget, args.loop_tokens, args.pairs, **sampled)
+                (paired,) = paired_in_loop(
+                    target, dparams, loop_prompts, [budget], args.loop_tokens, args.pairs, **sampled
                 )
+                row.update({k: v for k, v in paired.items() if k != "budget"})
                 progress(f"batch {b} DDTree({budget}) pairs: round / AR {row['paired_round_over_ar']:.3f}")
             if args.kernels:
                 row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels

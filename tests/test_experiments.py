@@ -444,18 +444,20 @@ def test_bench_tree_times_both_builders(tmp_path):
 
 def test_ab_pairs_runs_each_variant_in_its_process_and_resumes(tiny_pair, tmp_path):
     """Two variants (none, and a setting), each in a process of its own: a row each with the
-    pairs' ratio at the budget; a bad setting is reported and written nowhere; a second run
-    with the same --out skips what it holds."""
+    pairs' ratio at each budget, both against the same AR steps; a bad setting is reported and
+    written nowhere; a second run with the same --out skips what it holds."""
     out = tmp_path / "ab.json"
-    common = ("--checkpoints", tiny_pair, "--budgets", 4, "--pairs", 1, "--context", 8, "--loop-tokens", 4)
+    common = ("--checkpoints", tiny_pair, "--budgets", 4, 6, "--pairs", 2, "--context", 8, "--loop-tokens", 4)
     variants = ("--variants", "", "ddtree_jax.topk.TOP_K_CHUNK=128", "ddtree_jax.tree.NO_SUCH=1")
     proc = run_script("ab_pairs.py", *common, "--dtype", "float32", *variants, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["", "ddtree_jax.topk.TOP_K_CHUNK=128"]
-    for r in rows:
-        (b,) = r["budgets"]
-        assert b["budget"] == 4 and b["pairs"] == 1 and math.isfinite(b["paired_round_in_loop_ms"])
+    for r in rows:  # both budgets timed in the same rotation, against the same AR measurements
+        b4, b6 = r["budgets"]
+        assert (b4["budget"], b6["budget"]) == (4, 6) and b4["pairs"] == b6["pairs"] == 2, r
+        assert b4["paired_ar_in_loop_ms"] == b6["paired_ar_in_loop_ms"], r
+        assert math.isfinite(b4["paired_round_in_loop_ms"]) and math.isfinite(b6["paired_round_in_loop_ms"]), r
     assert "ddtree_jax.tree has no constant NO_SUCH" in proc.stdout
     again = run_script("ab_pairs.py", *common, "--dtype", "float32", "--variants", "", "--out", out)
     assert again.returncode == 0 and "(none): in" in again.stdout, again.stderr[-3000:]
