@@ -435,7 +435,8 @@ one down GEMM instead of two in a verify's dense pass, one gather instead of the
 an AR step. A verify of the shipped target ran the shared down projection as a GEMM of its own,
 2.9 us in each of 7 layers (session 51's stage profile). Off: on an H100 (session 52, interleaved
 pairs) a DDTree(12) round cost the same with it (1.578 AR steps) and a DDTree(32) round more
-(1.816 against the joined attention's 1.585). It changes
+(1.816 against the joined attention's 1.585, both from budget-32 pairs whose AR step session 53
+found slow, so the two compare with each other, not with the eval). It changes
 a forward's last bits (the shared output summed with the routed ones in float32 before one
 rounding)."""
 

@@ -11,10 +11,10 @@ docs/benchmarks.md: DDTree(12)'s tree 0.111 ms a call against 0.035). Each chunk
 `TOP_K_CHUNK` entries keeps its top k, then one top k picks among those.
 
 `rank_top_k` (short rows): on the GPU XLA lowers `lax.top_k` to a sort kernel (a few
-microseconds each even for a few hundred entries), one launch that nothing fuses with. Ranking by comparing every pair of a row,
-[..., n, n], is a reduction that XLA may fuse with the row's producer; whether it costs less
-than the sort is not yet measured (the one GPU run with it on, session 45, did not finish), so
-its callers keep it off by default.
+microseconds each even for a few hundred entries), one launch that nothing fuses with. Ranking
+by comparing every pair of a row, [..., n, n], is a reduction that XLA may fuse with the row's
+producer. Its callers keep it off by default: where it was timed it did not pay
+(`RANK_TOP_K_MAX`, `model.ROUTER_RANK_MAX_EXPERTS`).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ process of its own before anything is traced (module constants are read when a p
 traced). The process times `profile_round.paired_in_loop` at all budgets at once: AR and
 DDTree at each budget in the loop, in rotation, each budget's median round / AR ratio and its
 quartiles against the same AR measurements (timed beside one budget at a time, session 53's AR
-step ran 16% slower beside DDTree(32) than beside DDTree(12)). Only the pairs,
-without `profile_round.py`'s stage timings: a setting costs its two loops' compiles and the
-pairs. Each variant's result is written to --out as it ends; a run given the same --out skips
+step ran 16% slower beside DDTree(32) than beside DDTree(12)). Only the pairs, without
+`profile_round.py`'s stage timings: a setting costs its loops' compiles (AR and one a budget)
+and the pairs. Each variant's result is written to --out as it ends; a run given the same --out skips
 the variants already there (a GPU call cut short goes on in the next). Ratios compare across
 variants; a process's absolute times drift between processes of one machine (session 52: the
 same AR step 0.396-0.467 ms in the pairs of three processes).
