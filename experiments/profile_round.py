@@ -193,8 +193,8 @@ def main():
         "--pairs",
         type=int,
         default=0,
-        help="also time round / AR in the loop from N interleaved AR / DDTree pairs (median, quartiles), a "
-        "budget at a time (experiments/ab_pairs.py times every budget against the same AR steps)",
+        help="also time round / AR in the loop from N interleaved pairs (median, quartiles): AR and every "
+        "budget in one rotation, each budget's ratio against the same AR steps",
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -287,6 +287,13 @@ def main():
         draft_fn = lambda st, cache, roots: d.propose(st, target, cache, roots, key)  # noqa: E731
         t_draft = stage(b, "draft", draft_fn, (dstate, cache, roots))
         logits = jax.jit(draft_fn)(dstate, cache, roots)
+        paired = {}
+        if args.pairs:  # every budget against the same AR measurements
+            for r in paired_in_loop(
+                target, dparams, loop_prompts, args.budgets, args.loop_tokens, args.pairs, **sampled
+            ):
+                paired[r["budget"]] = r
+                progress(f"batch {b} DDTree({r['budget']}) pairs: round / AR {r['paired_round_over_ar']:.3f}")
         for budget in args.budgets:
             tree = jax.jit(decode.build_tree, static_argnums=(0, 3))("ddtree", logits, roots, budget)
             t_tree = stage(
@@ -334,12 +341,7 @@ def main():
             row["round_over_ar_in_loop"] = t_round_loop / t_ar_loop
             # What a generate call costs beyond its rounds (one-token call): paid once per prompt.
             row["ar_call_ms"], row["round_call_ms"] = t_ar_one * 1e3, t_round_one * 1e3
-            if args.pairs:
-                (paired,) = paired_in_loop(
-                    target, dparams, loop_prompts, [budget], args.loop_tokens, args.pairs, **sampled
-                )
-                row.update({k: v for k, v in paired.items() if k != "budget"})
-                progress(f"batch {b} DDTree({budget}) pairs: round / AR {row['paired_round_over_ar']:.3f}")
+            row.update({k: v for k, v in paired.get(budget, {}).items() if k != "budget"})
             if args.kernels:
                 row["ar_kernels"], row["round_kernels"] = ar_kernels, round_kernels
             if args.stage_kernels:
