@@ -9,8 +9,9 @@ Each variant is a space-separated list of `MODULE.NAME=VALUE` settings ("" : non
 process of its own before anything is traced (module constants are read when a program is
 traced). The process times `profile_round.paired_in_loop` at all budgets at once: AR and
 DDTree at each budget in the loop, in rotation, each budget's median round / AR ratio and its
-quartiles against the same AR measurements (timed beside one budget at a time, session 53's AR
-step ran 16% slower beside DDTree(32) than beside DDTree(12)). Only the pairs, without
+quartiles against the same AR measurements (as `profile_round.py --pairs` now does too: timed
+beside one budget at a time, session 53's AR step ran 16% slower beside DDTree(32) than beside
+DDTree(12)). Only the pairs, without
 `profile_round.py`'s stage timings: a setting costs its loops' compiles (AR and one a budget)
 and the pairs. Each variant's result is written to --out as it ends; a run given the same --out skips
 the variants already there (a GPU call cut short goes on in the next). Ratios compare across
