@@ -479,8 +479,8 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     # A progress line as each measurement ends, in order (a run cut by a timeout shows how far it got).
     done = [m.group(1) for m in re.finditer(r"^\[ *[0-9.]+ s\] ([^:]+):", res.stderr, re.M)]
     assert done == [
-        *("batch 1 ar_step", "batch 1 AR in the loop", "batch 1 draft", "batch 1 DDTree(8) pairs", "batch 1 tree8"),
-        *("batch 1 verify8", "batch 1 accept_commit8", "batch 1 DDTree(8) in the loop"),
+        *("batch 1 ar_step", "batch 1 AR in the loop", "batch 1 draft", "batch 1 tree8", "batch 1 verify8"),
+        *("batch 1 accept_commit8", "batch 1 DDTree(8) in the loop", "batch 1 DDTree(8) pairs"),
     ], res.stderr[-2000:]
     hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
     assert hlo == [f"b1_{n}.hlo.txt" for n in ("accept_commit8", "ar_step", "draft", "tree8", "verify8")]
