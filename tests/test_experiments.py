@@ -469,21 +469,30 @@ def test_profile_round_times_stages_and_the_real_loop(tiny_pair, tmp_path):
     res = run_script(
         "profile_round.py",
         *("--checkpoints", tiny_pair),
-        *("--batch-sizes", "1", "--budgets", "8", "--context", "16", "--reps", "2"),
+        *("--batch-sizes", "1", "--budgets", "8", "4", "--context", "16", "--reps", "2"),
         *("--loop-tokens", "8", "--dtype", "float32", "--out", out, "--stage-hlo", tmp_path / "hlo", "--pairs", "3"),
         *("--temperature", "1"),  # the sampled loop (greedy is the same code with no sampling arguments)
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["temperature"] == 1.0
+    row, row4 = json.loads(out.read_text())["rows"]
+    assert row["temperature"] == 1.0 and (row["budget"], row4["budget"]) == (8, 4)
+    # Both budgets' pairs in one rotation, against the same AR steps.
+    assert row["paired_ar_in_loop_ms"] == row4["paired_ar_in_loop_ms"] and row4["pairs"] == 3
     # A progress line as each measurement ends, in order (a run cut by a timeout shows how far it got).
     done = [m.group(1) for m in re.finditer(r"^\[ *[0-9.]+ s\] ([^:]+):", res.stderr, re.M)]
     assert done == [
         *("batch 1 ar_step", "batch 1 AR in the loop", "batch 1 draft", "batch 1 tree8", "batch 1 verify8"),
-        *("batch 1 accept_commit8", "batch 1 DDTree(8) in the loop", "batch 1 DDTree(8) pairs"),
+        *("batch 1 accept_commit8", "batch 1 DDTree(8) in the loop", "batch 1 tree4", "batch 1 verify4"),
+        *(
+            "batch 1 accept_commit4",
+            "batch 1 DDTree(4) in the loop",
+            "batch 1 DDTree(8) pairs",
+            "batch 1 DDTree(4) pairs",
+        ),
     ], res.stderr[-2000:]
     hlo = sorted(p.name for p in (tmp_path / "hlo").iterdir())
-    assert hlo == [f"b1_{n}.hlo.txt" for n in ("accept_commit8", "ar_step", "draft", "tree8", "verify8")]
+    stage_names = ("ar_step", "draft", *(f"{n}{b}" for n in ("accept_commit", "tree", "verify") for b in (4, 8)))
+    assert hlo == sorted(f"b1_{n}.hlo.txt" for n in stage_names)
     assert "HloModule" in (tmp_path / "hlo" / "b1_draft.hlo.txt").read_text()
     stages = ("draft_ms", "tree_ms", "verify_ms", "accept_commit_ms")
     assert all(row[k] > 0 for k in (*stages, "ar_step_ms"))
